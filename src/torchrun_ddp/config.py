@@ -1,0 +1,210 @@
+"""The typed training config: one dataclass, a TOML file plus command-line overrides.
+
+Every field's ``help`` text is what ``python train.py --help`` prints. Parsing uses transformers'
+``HfArgumentParser`` (flags accept ``--seq-length`` and ``--seq_length``); a TOML file given with
+``--config FILE`` supplies defaults that flags then override. ``validate`` rejects bad values
+before any process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+from transformers import HfArgumentParser
+
+from torchrun_ddp.errors import UserError
+
+COMPRESSION_METHODS = ("none", "dct", "dct-topk", "fp16", "bf16", "powersgd")
+
+
+def _opt(default: object, help: str, **extra: object) -> object:
+    """A dataclass field whose help text becomes the flag's ``--help`` entry."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; saved (without secrets) as ``<output_dir>/config.toml``."""
+
+    # Model
+    model: str = _opt(
+        "meta-llama/Llama-2-7b-hf",
+        "Hugging Face hub id or local folder of a LLaMA model, or a config.json path with "
+        "--init random. Gated hub models need HF_TOKEN in the environment or .env.",
+    )
+    init: str = _opt(
+        "pretrained",
+        "pretrained: load the weights with from_pretrained; random: build the architecture "
+        "from the model's config and initialise it from --seed.",
+        choices=["pretrained", "random"],
+    )
+    model_dtype: str = _opt(
+        "float32", "dtype of the model weights.", choices=["float32", "bfloat16", "float16"]
+    )
+    tokenizer: str = _opt("", "Tokenizer hub id or folder; empty means the same as --model.")
+    # Data
+    dataset: str = _opt("allenai/c4", "Hub dataset streamed when --data-files is empty.")
+    dataset_config: str = _opt("en", "Config name of the hub dataset (C4: en).")
+    data_files: list[str] = _opt(
+        [], "Local json/json.gz training files in C4's layout (globs allowed); overrides --dataset."
+    )
+    eval_files: list[str] = _opt(
+        [], "Local json/json.gz held-out files; empty means the hub dataset's validation split."
+    )
+    shuffle_buffer: int = _opt(1000, "Documents in the seeded streaming shuffle buffer.")
+    seq_length: int = _opt(512, "Tokens per packed training window.")
+    batch_size: int = _opt(4, "Micro-batch size in windows per rank.")
+    accumulation_steps: int = _opt(1, "Micro-batches accumulated per optimizer step.")
+    # Optimisation
+    learning_rate: float = _opt(1e-5, "Peak learning rate of AdamW.")
+    weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to norms and biases).")
+    warmup_steps: int = _opt(250, "Optimizer steps of linear warmup.")
+    restart_every: int = _opt(
+        1000, "Length in optimizer steps of the first cosine cycle after warmup (T_0)."
+    )
+    restart_mult: int = _opt(1, "Factor by which each cosine cycle is longer than the last.")
+    min_lr: float = _opt(0.0, "Learning rate at the bottom of each cosine cycle.")
+    max_grad_norm: float = _opt(1.0, "Gradient clipping threshold (global L2 norm).")
+    epochs: int = _opt(1, "Passes over the training data.")
+    max_steps: int = _opt(-1, "Stop after this many optimizer steps; -1 means end of data.")
+    seed: int = _opt(42, "Seed for model init, data shuffle and dropout.")
+    # Distributed and compression
+    backend: str = _opt(
+        "auto",
+        "Process-group backend; auto is NCCL with CUDA, else gloo.",
+        choices=["auto", "gloo", "nccl"],
+    )
+    device: str = _opt(
+        "auto", "auto, cpu or cuda (cuda:LOCAL_RANK).", choices=["auto", "cpu", "cuda"]
+    )
+    timeout_s: int = _opt(600, "Process-group timeout in seconds.")
+    threads: int = _opt(0, "torch intra-op threads per process; 0 means cores / local world size.")
+    compression: str = _opt(
+        "none", "Gradient compression comm hook.", choices=list(COMPRESSION_METHODS)
+    )
+    compression_ratio: float = _opt(
+        0.5, "dct: fraction of DCT coefficients sent per block (0 < ratio <= 1)."
+    )
+    compression_block_size: int = _opt(64, "dct, dct-topk: DCT block length in values.")
+    # Outputs
+    output_dir: str = _opt("outputs/run", "Folder for metrics.jsonl, config.toml and final_model/.")
+    log_every: int = _opt(10, "Log training metrics every N optimizer steps.")
+    eval_every: int = _opt(100, "Evaluate every N optimizer steps (and at the end); 0: end only.")
+    eval_batches: int = _opt(8, "Micro-batches of held-out windows per rank in each evaluation.")
+
+
+def field_names() -> list[str]:
+    """The names of all config fields, in declaration order."""
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def load_toml(path: str) -> dict[str, object]:
+    """Read a TOML config file into a flat dict; raises UserError on a missing or bad file."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(
+            f"config file {path} does not exist; pass an existing TOML file to --config"
+        )
+    try:
+        values = tomllib.loads(file.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from exc
+    unknown = [key for key in values if key.replace("-", "_") not in field_names()]
+    if unknown:
+        raise UserError(f"config file {path}: {_unknown_message(unknown[0])}")
+    return {key.replace("-", "_"): value for key, value in values.items()}
+
+
+def _unknown_message(name: str) -> str:
+    """'unknown option X; did you mean Y?' with the nearest valid field name."""
+    key = name.lstrip("-").split("=")[0].replace("-", "_")
+    close = difflib.get_close_matches(key, [*field_names(), "config"], n=1)
+    hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else "; see --help"
+    return f"unknown option {name}{hint}"
+
+
+def build_parser() -> HfArgumentParser:
+    """The command-line parser: ``--config FILE`` plus one flag per TrainConfig field."""
+    parser = HfArgumentParser(
+        TrainConfig,
+        description="Train a LLaMA model with PyTorch DDP under torchrun.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+        exit_on_error=False,
+    )
+    parser.add_argument("--config", default=None, help="TOML file of defaults; flags override it.")
+    return parser
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    """Parse ``argv`` (without the program name) into a validated TrainConfig.
+
+    Raises UserError for a bad config file, an unknown flag or an invalid value. ``--help``
+    prints the options and exits 0 (argparse's SystemExit).
+    """
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_toml(known.config))
+    try:
+        namespace, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise UserError(f"{exc}; see --help") from exc
+    if unknown:
+        raise UserError(_unknown_message(unknown[0]))
+    values = {name: getattr(namespace, name) for name in field_names()}
+    config = TrainConfig(**values)
+    validate(config)
+    return config
+
+
+_POSITIVE = ("seq_length", "batch_size", "accumulation_steps", "learning_rate", "epochs")
+_POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "timeout_s")
+_NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_lr")
+_NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer")
+
+
+def validate(config: TrainConfig) -> None:
+    """Reject invalid values with a UserError naming the flag and the fix."""
+    for name in _POSITIVE:
+        if getattr(config, name) <= 0:
+            raise UserError(f"--{_flag(name)} must be > 0, got {getattr(config, name)}")
+    for name in _NON_NEGATIVE:
+        if getattr(config, name) < 0:
+            raise UserError(f"--{_flag(name)} must be >= 0, got {getattr(config, name)}")
+    if config.max_steps == 0 or config.max_steps < -1:
+        raise UserError(f"--max-steps must be -1 (end of data) or > 0, got {config.max_steps}")
+    if not 0.0 < config.compression_ratio <= 1.0:
+        raise UserError(f"--compression-ratio must be in (0, 1], got {config.compression_ratio}")
+    if config.compression_block_size < 2:
+        raise UserError(
+            f"--compression-block-size must be >= 2, got {config.compression_block_size}"
+        )
+    if config.min_lr > config.learning_rate:
+        raise UserError("--min-lr must not exceed --learning-rate")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def to_toml(config: TrainConfig) -> str:
+    """The config as TOML text that ``--config`` reads back to an equal config (no secrets)."""
+    return tomli_w.dumps(dataclasses.asdict(config))
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    """Write the resolved config to ``path`` as TOML (the config holds no secrets: HF_TOKEN
+    is only ever read from the environment)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_toml(config))

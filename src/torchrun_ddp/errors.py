@@ -1,0 +1,9 @@
+"""The one exception type that means "the user's input is wrong", not "the code is wrong"."""
+
+
+class UserError(Exception):
+    """Bad input: a one-line message that says what was wrong and how to fix it.
+
+    ``train.py`` prints it as ``error: <message>`` and exits with status 2, without a traceback.
+    Every component may raise it; nothing else should be caught and rephrased as one.
+    """

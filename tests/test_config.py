@@ -1,0 +1,98 @@
+"""Config parsing: flags, TOML files, --help, validation and the saved config."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from torchrun_ddp.config import (
+    TrainConfig,
+    build_parser,
+    field_names,
+    parse_config,
+    save_config,
+)
+from torchrun_ddp.errors import UserError
+
+
+def test_defaults_are_the_seeds_run() -> None:
+    config = parse_config([])
+    assert config.model == "meta-llama/Llama-2-7b-hf"
+    assert (config.dataset, config.dataset_config) == ("allenai/c4", "en")
+    assert (config.learning_rate, config.seq_length, config.batch_size) == (1e-5, 512, 4)
+    assert (config.accumulation_steps, config.epochs, config.weight_decay) == (1, 1, 0.01)
+    assert config.warmup_steps == 250
+
+
+FLAT_FLAGS = [
+    *("config", "model", "tokenizer", "dataset", "dataset-config", "data-files", "eval-files"),
+    *("seq-length", "batch-size", "accumulation-steps", "learning-rate", "weight-decay"),
+    *("warmup-steps", "epochs", "max-steps", "seed", "compression", "output-dir", "log-every"),
+    "eval-every",
+]
+
+
+def test_help_lists_every_field_and_the_flat_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    build_parser().print_help()
+    text = capsys.readouterr().out
+    for flag in FLAT_FLAGS:
+        assert f"--{flag}" in text, flag
+    for name in field_names():
+        assert f"--{name.replace('_', '-')}" in text, name
+    assert "Peak learning rate of AdamW" in text
+
+
+def test_toml_then_flags_override(tmp_path: Path) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text('seq_length = 64\nbatch-size = 3\ndata_files = ["a.json", "b.json"]\n')
+    config = parse_config(["--config", str(file), "--batch-size", "5"])
+    assert (config.seq_length, config.batch_size, config.data_files) == (
+        64,
+        5,
+        ["a.json", "b.json"],
+    )
+
+
+def test_saved_config_round_trips(tmp_path: Path) -> None:
+    config = parse_config(["--seq-length", "32", "--eval-files", "x.json", "--compression", "dct"])
+    save_config(config, tmp_path / "config.toml")
+    again = parse_config(["--config", str(tmp_path / "config.toml")])
+    assert dataclasses.asdict(again) == dataclasses.asdict(config)
+    assert "HF_TOKEN" not in (tmp_path / "config.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--learning-rate", "0"], "--learning-rate must be > 0"),
+        (["--learning-rate=-1e-4"], "--learning-rate must be > 0"),
+        (["--batch-size", "0"], "--batch-size must be > 0"),
+        (["--seq-length", "-5"], "--seq-length must be > 0"),
+        (["--max-steps", "0"], "--max-steps must be -1"),
+        (["--compression-ratio", "1.5"], "--compression-ratio must be in"),
+        (["--batch-sise", "2"], "did you mean --batch-size"),
+        (["--batch-size", "two"], "invalid int value"),
+        (["--config", "missing.toml"], "does not exist"),
+    ],
+)
+def test_bad_values_are_rejected(argv: list[str], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        parse_config(argv)
+
+
+def test_malformed_and_unknown_toml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("seq_length = = 3\n")
+    with pytest.raises(UserError, match="not valid TOML"):
+        parse_config(["--config", str(bad)])
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("lerning_rate = 0.1\n")
+    with pytest.raises(UserError, match="did you mean --learning-rate"):
+        parse_config(["--config", str(unknown)])
+
+
+def test_every_field_has_help() -> None:
+    for item in dataclasses.fields(TrainConfig):
+        assert item.metadata.get("help"), item.name
