@@ -1,0 +1,134 @@
+"""The torchrun environment, process-group set-up and tear-down, the device, rank-aware logging.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+TORCHELASTIC_RESTART_COUNT for every worker (https://pytorch.org/docs/stable/elastic/run.html).
+Without torchrun the same code runs as a single process (world_size 1) on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("torchrun_ddp")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What torchrun tells a worker about its place in the job."""
+
+    rank: int = 0
+    """Global rank of this process, 0 .. world_size - 1."""
+    world_size: int = 1
+    """Number of processes in the job (all nodes)."""
+    local_rank: int = 0
+    """Rank of this process on its node; picks the GPU cuda:local_rank."""
+    local_world_size: int = 1
+    """Number of processes on this node."""
+    master_addr: str = "127.0.0.1"
+    """Host of the rendezvous store (c10d)."""
+    master_port: int = 0
+    """Port of the rendezvous store; 0 means pick a free one (single process only)."""
+    restart_count: int = 0
+    """How many times torchrun has restarted the worker group (TORCHELASTIC_RESTART_COUNT)."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        """Read the torchrun variables; absent ones give a single-process job."""
+        env = os.environ if environ is None else environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 0)),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the process that logs and writes shared files."""
+        return self.rank == 0
+
+
+def pick_device(env: DistEnv, preference: str) -> torch.device:
+    """``cuda:local_rank`` when CUDA is wanted and present, else CPU.
+
+    Raises ValueError if ``preference`` is "cuda" and no GPU is visible.
+    """
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no GPU is visible; use --device cpu")
+    torch.cuda.set_device(env.local_rank)
+    return torch.device("cuda", env.local_rank)
+
+
+def backend_for(device: torch.device, backend: str) -> str:
+    """The process-group backend: NCCL for CUDA tensors (gloo kept for CPU tensors), else gloo."""
+    if backend != "auto":
+        return backend
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_distributed(env: DistEnv, device: torch.device, backend: str, timeout_s: int) -> None:
+    """Start the default process group (env:// rendezvous, as torchrun sets it up).
+
+    A single process without torchrun gets a store on a free port of 127.0.0.1.
+    """
+    if env.master_port == 0:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group(
+        backend=backend_for(device, backend),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group if one exists; safe to call on every exit path."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return self.rank == 0 or record.levelno >= logging.WARNING
+
+
+def setup_logging(rank: int, verbose: bool = False) -> None:
+    """Log as ``[rank N]``: info from rank 0 only, warnings and errors from every rank.
+
+    Library loggers (transformers, datasets, torch.distributed) stay at WARNING unless verbose.
+    """
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s] %(message)s", "%H:%M:%S"))
+    handler.addFilter(_RankFilter(rank))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False
+    quiet = logging.INFO if verbose else logging.WARNING
+    for name in ("transformers", "datasets", "torch.distributed", "httpx", "huggingface_hub"):
+        logging.getLogger(name).setLevel(quiet)
