@@ -1,0 +1,135 @@
+"""Sharding, packing, blank documents, bad records and exact resume of the packed stream."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.training_data import (
+    PackedWindows,
+    build_loader,
+    load_tokenizer,
+    open_documents,
+    resolve_files,
+    shard_for_rank,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(shared_data: Path) -> PreTrainedTokenizerBase:
+    return load_tokenizer(str(shared_data / "tokenizer" / "mistral-7b-v0.1"))
+
+
+@pytest.fixture(scope="module")
+def train_files(shared_data: Path) -> list[str]:
+    return resolve_files([str(shared_data / "c4" / "*train*.json.gz")], "--data-files")
+
+
+def _texts(files: list[str], rank: int, world_size: int) -> list[str]:
+    docs = shard_for_rank(open_documents(files, "", "", "train"), rank, world_size)
+    return [record["text"] for record in docs]
+
+
+def test_ranks_get_disjoint_shares_that_cover_the_data(train_files: list[str]) -> None:
+    everything = _texts(train_files, 0, 1)
+    assert len(everything) == 1000
+    shares = [_texts(train_files, rank, 2) for rank in range(2)]
+    assert set(shares[0]).isdisjoint(shares[1])
+    assert sorted(shares[0] + shares[1]) == sorted(everything)
+
+
+class _Characters:
+    """A tokenizer stand-in with one id per document, so windows show the document order."""
+
+    bos_token_id, eos_token_id = 1, 2
+
+    def __init__(self, texts: list[str]) -> None:
+        self.ids = {text: index + 3 for index, text in enumerate(texts)}
+
+    def __call__(self, text: str, add_special_tokens: bool) -> dict[str, list[int]]:
+        return {"input_ids": [self.ids[text]]}
+
+
+def test_shuffle_buffer_permutes_each_epoch(train_files: list[str]) -> None:
+    texts = _texts(train_files, 0, 2)
+    docs = shard_for_rank(open_documents(train_files, "", "", "train"), 0, 2)
+    windows = PackedWindows(docs, _Characters(texts), 3, epochs=2, shuffle_buffer=64, seed=5)
+    order = [int(w[1]) - 3 for w in windows]
+    first, second = order[: len(texts)], order[len(texts) :]
+    assert sorted(first) == sorted(second) == list(range(len(texts)))
+    assert first != sorted(first) and first != second
+
+
+def test_packing_gives_full_windows_of_the_token_stream(
+    train_files: list[str], tokenizer: PreTrainedTokenizerBase
+) -> None:
+    docs = shard_for_rank(open_documents(train_files, "", "", "train"), 0, 1)
+    windows = list(zip(range(40), PackedWindows(docs, tokenizer, 64), strict=False))
+    stream: list[int] = []
+    for text in _texts(train_files, 0, 1)[:40]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        stream += [tokenizer.bos_token_id, *ids, tokenizer.eos_token_id]
+    flat = [int(t) for _, window in windows for t in window]
+    assert all(window.shape == (64,) for _, window in windows)
+    assert flat == stream[: len(flat)]
+
+
+def _write_jsonl(path: Path, records: list[dict[str, str]]) -> str:
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    return str(path)
+
+
+def test_blank_documents_are_skipped(tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    texts = ["one two three", "", "   \n ", "four five"]
+    file = _write_jsonl(tmp_path / "d.json.gz", [{"text": t} for t in texts])
+    docs = open_documents([file], "", "", "train")
+    windows = PackedWindows(docs, tokenizer, 1)
+    ids = [int(w) for w in windows]
+    assert ids.count(tokenizer.bos_token_id) == 2
+
+
+def test_record_without_text_is_a_clear_error(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    file = _write_jsonl(tmp_path / "d.json.gz", [{"text": "fine"}, {"body": "no text here"}])
+    windows = PackedWindows(open_documents([file], "", "", "train"), tokenizer, 4)
+    with pytest.raises(UserError, match="no 'text' field"):
+        list(windows)
+    other = _write_jsonl(tmp_path / "e.json.gz", [{"body": "no text here"}])
+    with pytest.raises(UserError, match="no 'text' field"):
+        open_documents([other], "", "", "train")
+
+
+def test_files_that_match_nothing_are_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="matches no file"):
+        resolve_files([str(tmp_path / "*.json.gz")], "--data-files")
+
+
+@pytest.mark.parametrize("steps", [30, 480, 530])
+def test_state_dict_resumes_at_the_exact_next_batch(
+    train_files: list[str], tokenizer: PreTrainedTokenizerBase, steps: int
+) -> None:
+    """Resume mid-epoch, while draining the shuffle buffer, and in the second epoch (each rank
+    has ~510 batches of 4 x 128 tokens an epoch)."""
+
+    def fresh() -> PackedWindows:
+        docs = shard_for_rank(open_documents(train_files, "", "", "train"), 1, 2)
+        return PackedWindows(docs, tokenizer, 128, epochs=2, shuffle_buffer=50, seed=3)
+
+    first = fresh()
+    batches = iter(build_loader(first, 4))
+    for _ in range(steps):
+        next(batches)
+    state = first.state_dict()
+    expected = [next(batches) for _ in range(5)]
+    resumed = fresh()
+    resumed.load_state_dict(state)
+    got = list(zip(range(5), build_loader(resumed, 4), strict=False))
+    assert all((a == b).all() for a, (_, b) in zip(expected, got, strict=True))
