@@ -1,0 +1,54 @@
+"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine-restarts schedule.
+
+AdamW: Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization". Cosine annealing with
+warm restarts: Loshchilov & Hutter 2017, "SGDR". Both come from ``torch.optim``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import AdamW, Optimizer
+from torch.optim.lr_scheduler import (
+    CosineAnnealingWarmRestarts,
+    LinearLR,
+    LRScheduler,
+    SequentialLR,
+)
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, object]]:
+    """Two AdamW groups: weight decay for matrices (ndim >= 2), none for norms and biases."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: torch.nn.Module, learning_rate: float, weight_decay: float) -> AdamW:
+    """torch's AdamW over ``parameter_groups``; ``foreach`` on CPU and CUDA alike."""
+    return AdamW(parameter_groups(model, weight_decay), lr=learning_rate, foreach=True)
+
+
+def build_scheduler(
+    optimizer: Optimizer, warmup_steps: int, cycle_steps: int, cycle_mult: int, min_lr: float
+) -> LRScheduler:
+    """Linear warmup, then cosine annealing with warm restarts; stepped once per optimizer step.
+
+    With peak learning rate ``lr`` and ``W = warmup_steps``, the rate at step ``s`` is
+    ``lr * (s + 1) / W`` for ``s < W``; afterwards it follows SGDR from ``lr`` down to ``min_lr``
+    over ``cycle_steps`` steps, restarting at ``lr`` with each cycle ``cycle_mult`` times longer.
+    """
+    cosine = CosineAnnealingWarmRestarts(
+        optimizer, T_0=cycle_steps, T_mult=cycle_mult, eta_min=min_lr
+    )
+    if warmup_steps == 0:
+        return cosine
+    warmup = LinearLR(
+        optimizer, start_factor=1.0 / warmup_steps, end_factor=1.0, total_iters=warmup_steps - 1
+    )
+    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
