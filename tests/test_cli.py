@@ -1,0 +1,82 @@
+"""Bad input through the real entry point: one line on stderr, exit status 2, nothing saved."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import train  # noqa: E402
+
+
+def _tiny_args(shared_data: Path, tmp_path: Path) -> list[str]:
+    return [
+        "--config", str(REPO / "configs" / "tiny.toml"),
+        "--model", str(REPO / "configs" / "llama-tiny" / "config.json"),
+        "--tokenizer", str(shared_data / "tokenizer" / "mistral-7b-v0.1"),
+        "--data-files", str(shared_data / "c4" / "*train*.json.gz"),
+        "--eval-files", str(shared_data / "c4" / "*validation*.json.gz"),
+        "--output-dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+
+
+def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["--seq-length", "4096"], "exceeds the model's 1024 positions"),
+        (["--data-files", "/nonexistent/*.json.gz"], "matches no file"),
+        (["--eval-files", "/nonexistent/eval.json.gz"], "matches no file"),
+        (["--tokenizer", "/nonexistent/tokenizer"], "tokenizer folder /nonexistent/tokenizer"),
+        (["--model", "/nonexistent/model"], "model path /nonexistent/model does not exist"),
+        (["--learning-rate", "0"], "--learning-rate must be > 0"),
+        (["--unknown-flag", "1"], "unknown option --unknown-flag"),
+    ],
+)
+def test_bad_input_gives_one_line_and_saves_nothing(
+    capsys: pytest.CaptureFixture[str],
+    shared_data: Path,
+    tmp_path: Path,
+    override: list[str],
+    message: str,
+) -> None:
+    err = _error_line(capsys, _tiny_args(shared_data, tmp_path) + override)
+    assert message in err
+    assert not (tmp_path / "out").exists(), "rejected before anything is written"
+
+
+def test_gated_model_without_token(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(train, "load_dotenv", lambda: None)
+    err = _error_line(capsys, ["--model", "meta-llama/Llama-2-7b-hf"])
+    assert "gated" in err and "HF_TOKEN" in err
+
+
+def test_hub_dataset_without_network_points_to_data_files(
+    shared_data: Path, tmp_path: Path
+) -> None:
+    args = _tiny_args(shared_data, tmp_path)
+    cut = args.index("--data-files")
+    args = args[:cut] + args[cut + 4 :]  # no --data-files and no --eval-files: stream the hub
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot reach the Hugging Face hub") and "--data-files" in last

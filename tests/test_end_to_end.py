@@ -1,0 +1,97 @@
+"""torchrun with 2 processes trains the tiny LLaMA on the shared C4 sample, end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_harness import free_port
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 40
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 400) -> subprocess.CompletedProcess:
+    """Run ``torchrun --nproc_per_node nproc train.py args`` on loopback, with a timeout."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        str(REPO / "train.py"), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def tiny_args(shared_data: Path, output_dir: Path, *extra: str) -> list[str]:
+    """The tiny config on the shared C4 sample, small enough for a test."""
+    return [
+        "--config", str(REPO / "configs" / "tiny.toml"),
+        "--tokenizer", str(shared_data / "tokenizer" / "mistral-7b-v0.1"),
+        "--data-files", str(shared_data / "c4" / "*train*.json.gz"),
+        "--eval-files", str(shared_data / "c4" / "*validation*.json.gz"),
+        "--output-dir", str(output_dir),
+        "--seq-length", "128", "--batch-size", "4", "--max-steps", str(STEPS),
+        "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5",
+        "--eval-every", "20", "--eval-batches", "4",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output_dir = tmp_path_factory.mktemp("tiny")
+    result = torchrun(tiny_args(shared_data, output_dir))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (output_dir / "log.txt").write_text(result.stdout + result.stderr)
+    return output_dir
+
+
+def _records(output_dir: Path) -> list[dict[str, float]]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_metrics_have_the_documented_keys(tiny_run: Path) -> None:
+    train = [r for r in _records(tiny_run) if "loss" in r]
+    assert [r["step"] for r in train] == list(range(5, STEPS + 1, 5))
+    for record in train:
+        for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "peak_mem_bytes"):
+            assert key in record, key
+        assert record["tokens_per_s"] > 0 and record["peak_mem_bytes"] > 0
+
+
+def test_loss_falls_and_eval_is_finite(tiny_run: Path) -> None:
+    records = _records(tiny_run)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[0] > 9.0, "an untrained model starts near ln(32000) = 10.4"
+    assert losses[-1] < losses[0] - 2.0, losses
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [20, 40]
+    assert all(torch.isfinite(torch.tensor(r["eval_loss"])) for r in evals)
+    assert evals[-1]["eval_loss"] < 9.0
+    assert evals[-1]["eval_ppl"] == pytest.approx(2.718281828 ** evals[-1]["eval_loss"], rel=1e-6)
+
+
+def test_only_rank_zero_logs(tiny_run: Path) -> None:
+    log = (tiny_run / "log.txt").read_text()
+    assert "[rank 0]" in log and "[rank 1]" not in log
+    assert log.count("| loss ") == STEPS // 5
+
+
+def test_final_model_loads_and_generates(tiny_run: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_run / "final_model")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / "final_model")
+    prompt = tokenizer("The best way to", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 8
+    assert isinstance(tokenizer.decode(out[0]), str)
+    assert (tiny_run / "final_model" / "model.safetensors").is_file()
+    assert "max_steps = 40" in (tiny_run / "config.toml").read_text()

@@ -1,0 +1,35 @@
+"""Entry point: ``torchrun --nproc_per_node=N train.py [--config FILE] [--flag value ...]``.
+
+Loads ``.env`` (HF_TOKEN), reads the torchrun environment, parses the config and calls
+``torchrun_ddp.main.run``. Without torchrun it trains as a single process (world_size 1).
+Bad input prints one line, ``error: ...``, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dotenv import load_dotenv
+
+from torchrun_ddp.config import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.errors import UserError
+
+
+def main(argv: list[str]) -> int:
+    """Parse ``argv`` and train; returns the process exit status."""
+    load_dotenv()
+    env = DistEnv.from_environ()
+    try:
+        config = parse_config(argv)
+        from torchrun_ddp.main import run  # noqa: PLC0415 - heavy imports after --help is handled
+
+        run(config, env)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
