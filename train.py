@@ -11,7 +11,7 @@ import sys
 
 from dotenv import load_dotenv
 
-from torchrun_ddp.config import parse_config
+from torchrun_ddp.config import parse_config, to_toml
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 
@@ -22,6 +22,9 @@ def main(argv: list[str]) -> int:
     env = DistEnv.from_environ()
     try:
         config = parse_config(argv)
+        if "--print-config" in argv:
+            print(to_toml(config), end="")
+            return 0
         from torchrun_ddp.main import run  # noqa: PLC0415 - heavy imports after --help is handled
 
         run(config, env)

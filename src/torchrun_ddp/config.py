@@ -94,11 +94,29 @@ class TrainConfig:
         0.5, "dct: fraction of DCT coefficients sent per block (0 < ratio <= 1)."
     )
     compression_block_size: int = _opt(64, "dct, dct-topk: DCT block length in values.")
+    # Checkpoints and resume
+    checkpoint_dir: str = _opt(
+        "",
+        "Folder of step-N checkpoints; empty means <output-dir>/checkpoints. Multi-node runs need "
+        "it on a file system shared by all nodes, at the same path.",
+    )
+    checkpoint_every: int = _opt(
+        500, "Checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)."
+    )
+    keep_checkpoints: int = _opt(3, "Complete checkpoints kept; older ones are deleted.")
+    resume: bool = _opt(
+        True, "Resume from the newest complete checkpoint in --checkpoint-dir (--no-resume: fresh)."
+    )
+    resume_from: str = _opt("", "Resume from this step-N checkpoint folder instead of the newest.")
     # Outputs
     output_dir: str = _opt("outputs/run", "Folder for metrics.jsonl, config.toml and final_model/.")
     log_every: int = _opt(10, "Log training metrics every N optimizer steps.")
     eval_every: int = _opt(100, "Evaluate every N optimizer steps (and at the end); 0: end only.")
     eval_batches: int = _opt(8, "Micro-batches of held-out windows per rank in each evaluation.")
+    tensorboard: bool = _opt(
+        False, "Also write TensorBoard event files to <output-dir>/tensorboard."
+    )
+    verbose: bool = _opt(False, "Debug logging, and library logs (transformers, datasets) at info.")
 
 
 def field_names() -> list[str]:
@@ -141,6 +159,11 @@ def build_parser() -> HfArgumentParser:
         exit_on_error=False,
     )
     parser.add_argument("--config", default=None, help="TOML file of defaults; flags override it.")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="Print the resolved config as TOML (readable by --config) and exit.",
+    )
     return parser
 
 
@@ -170,8 +193,9 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 _POSITIVE = ("seq_length", "batch_size", "accumulation_steps", "learning_rate", "epochs")
 _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "timeout_s")
+_POSITIVE += ("keep_checkpoints",)
 _NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_lr")
-_NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer")
+_NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every")
 
 
 def validate(config: TrainConfig) -> None:

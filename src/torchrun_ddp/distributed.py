@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+import datasets
 import torch
 import torch.distributed as dist
+import transformers
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -132,3 +134,6 @@ def setup_logging(rank: int, verbose: bool = False) -> None:
     quiet = logging.INFO if verbose else logging.WARNING
     for name in ("transformers", "datasets", "torch.distributed", "httpx", "huggingface_hub"):
         logging.getLogger(name).setLevel(quiet)
+    if not verbose:
+        transformers.utils.logging.disable_progress_bar()
+        datasets.disable_progress_bars()

@@ -7,23 +7,41 @@ gradients are all-reduced once per step by the comm hook), clip, step, schedule,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import torch
 import torch.distributed as dist
 from datasets import IterableDataset
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from torchrun_ddp.checkpoint import (
+    ModelAndOptimizer,
+    Stateful,
+    capture_rng_state,
+    check_compatible,
+    find_latest,
+    load_checkpoint,
+    model_fingerprint,
+    read_meta,
+    restore_rng_state,
+    save_checkpoint,
+)
 from torchrun_ddp.compression import CompressionSettings, CompressionState, register_compression
 from torchrun_ddp.config import TrainConfig, save_config
 from torchrun_ddp.distributed import (
@@ -34,8 +52,22 @@ from torchrun_ddp.distributed import (
     shutdown_distributed,
 )
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.metrics import MetricsLogger, Record, build_metrics, peak_memory_bytes
-from torchrun_ddp.model import build_model, load_model_config, max_positions, wrap_ddp
+from torchrun_ddp.metrics import (
+    MetricsLogger,
+    Record,
+    build_metrics,
+    device_peak_flops,
+    drop_records_after,
+    model_flops_per_token,
+    peak_memory_bytes,
+)
+from torchrun_ddp.model import (
+    build_model,
+    load_model_config,
+    max_positions,
+    parameter_count,
+    wrap_ddp,
+)
 from torchrun_ddp.optimizer import build_optimizer, build_scheduler
 from torchrun_ddp.training_data import (
     PackedWindows,
@@ -71,10 +103,16 @@ class Trainer:
     optimizer: Optimizer
     scheduler: LRScheduler
     compression: CompressionState
-    train_batches: Iterator[torch.Tensor]
+    windows: PackedWindows
     eval_set: list[torch.Tensor]
     metrics: MetricsLogger
     tokenizer: PreTrainedTokenizerBase
+    flops_per_token: float
+    """Training FLOPs per token (6N + attention), for MFU."""
+    peak_flops_total: float
+    """Peak FLOP/s of all ranks together; inf when unknown (MFU then reads 0)."""
+    step: int = 0
+    """Optimizer steps done (restored on resume)."""
 
 
 def prepare_inputs(config: TrainConfig) -> Inputs:
@@ -100,15 +138,19 @@ def prepare_inputs(config: TrainConfig) -> Inputs:
 
 def run(config: TrainConfig, env: DistEnv) -> None:
     """Train as one rank of a torchrun job (or alone), always tearing the process group down."""
-    setup_logging(env.rank)
+    setup_logging(env.rank, config.verbose)
     inputs = prepare_inputs(config)
     device = pick_device(env, config.device)
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     init_distributed(env, device, config.backend, config.timeout_s)
     try:
         trainer = build_trainer(config, env, device, inputs)
-        train(trainer)
-        save_final_model(trainer)
+        resume(trainer)
+        if env.is_main:
+            save_config(config, Path(config.output_dir) / "config.toml")
+        if train(trainer):
+            save_final_model(trainer)
+        trainer.metrics.close()
     finally:
         shutdown_distributed()
 
@@ -117,46 +159,51 @@ def build_trainer(
     config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs
 ) -> Trainer:
     """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
-    output_dir = Path(config.output_dir)
-    if env.is_main:
-        save_config(config, output_dir / "config.toml")
     model = build_model(
         config.model, inputs.model_config, config.init, config.model_dtype, config.seed, device
     )
     ddp_model = wrap_ddp(model, device)
-    compression = register_compression(
-        ddp_model,
-        CompressionSettings(
-            method=config.compression,
-            ratio=config.compression_ratio,
-            block_size=config.compression_block_size,
-        ),
+    settings = CompressionSettings(
+        method=config.compression,
+        ratio=config.compression_ratio,
+        block_size=config.compression_block_size,
     )
+    compression = register_compression(ddp_model, settings)
     optimizer = build_optimizer(model, config.learning_rate, config.weight_decay)
-    torch.manual_seed(config.seed + env.rank)
-    log.info(
-        "world_size %d, device %s, backend %s, %.1fM parameters, %d tokens per step",
-        env.world_size,
-        device,
-        dist.get_backend(),
-        sum(p.numel() for p in model.parameters()) / 1e6,
-        tokens_per_step(config, env),
+    scheduler = build_scheduler(
+        optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
     )
+    torch.manual_seed(config.seed + env.rank)
+    peak, peak_source = device_peak_flops(device)
+    flops = flops_per_token(model, inputs.model_config, config.seq_length)
+    log.info(
+        "world_size %d, device %s, backend %s, %.1fM parameters, %d tokens per step, "
+        "%.3g FLOPs per token, peak %.3g FLOP/s per rank (%s)",
+        env.world_size, device, dist.get_backend(), parameter_count(model) / 1e6,
+        tokens_per_step(config, env), flops, peak, peak_source,
+    )  # fmt: skip
     return Trainer(
         config=config,
         env=env,
         device=device,
         model=ddp_model,
         optimizer=optimizer,
-        scheduler=build_scheduler(
-            optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
-        ),
+        scheduler=scheduler,
         compression=compression,
-        train_batches=iter(build_train_windows(config, env, inputs)),
+        windows=build_train_windows(config, env, inputs),
         eval_set=build_eval_set(config, env, inputs),
-        metrics=build_metrics(output_dir, env.is_main),
+        metrics=build_metrics(Path(config.output_dir), env.is_main, config.tensorboard),
         tokenizer=inputs.tokenizer,
+        flops_per_token=flops,
+        peak_flops_total=peak * env.world_size if peak else math.inf,
     )
+
+
+def flops_per_token(model: torch.nn.Module, config: PretrainedConfig, seq_length: int) -> float:
+    """Training FLOPs per token at ``seq_length`` (see ``metrics.model_flops_per_token``)."""
+    layers = int(getattr(config, "num_hidden_layers", 0))
+    hidden = int(getattr(config, "hidden_size", 0))
+    return model_flops_per_token(parameter_count(model), layers, hidden, seq_length)
 
 
 def tokens_per_step(config: TrainConfig, env: DistEnv) -> int:
@@ -164,12 +211,10 @@ def tokens_per_step(config: TrainConfig, env: DistEnv) -> int:
     return config.batch_size * config.accumulation_steps * config.seq_length * env.world_size
 
 
-def build_train_windows(
-    config: TrainConfig, env: DistEnv, inputs: Inputs
-) -> torch.utils.data.DataLoader:
-    """This rank's shuffled, packed training micro-batches."""
+def build_train_windows(config: TrainConfig, env: DistEnv, inputs: Inputs) -> PackedWindows:
+    """This rank's shuffled, packed training windows (a resumable stream)."""
     shard = shard_for_rank(inputs.train_documents, env.rank, env.world_size)
-    windows = PackedWindows(
+    return PackedWindows(
         shard,
         inputs.tokenizer,
         config.seq_length,
@@ -177,7 +222,6 @@ def build_train_windows(
         shuffle_buffer=config.shuffle_buffer,
         seed=config.seed + env.rank,
     )
-    return build_loader(windows, config.batch_size)
 
 
 def build_eval_set(config: TrainConfig, env: DistEnv, inputs: Inputs) -> list[torch.Tensor]:
@@ -187,21 +231,24 @@ def build_eval_set(config: TrainConfig, env: DistEnv, inputs: Inputs) -> list[to
     return eval_batches(windows, config.batch_size, config.eval_batches)
 
 
-def next_micro_batches(trainer: Trainer) -> list[torch.Tensor] | None:
-    """The next step's micro-batches, or None once any rank has run out of data.
+def next_micro_batches(
+    trainer: Trainer, loader: Iterator[torch.Tensor], stop_requested: bool
+) -> tuple[list[torch.Tensor] | None, bool]:
+    """The next step's micro-batches (None once any rank has run out of data), and whether any
+    rank was asked to stop (SIGTERM or SIGINT).
 
-    Every rank contributes a flag to an all-reduce (MIN), so all ranks stop on the same step
-    and nobody waits forever in a collective another rank never joins.
+    Every rank contributes its two flags to one all-reduce (MAX), so all ranks end on the same
+    step and nobody waits forever in a collective another rank never joins.
     """
     batches: list[torch.Tensor] = []
-    for batch in trainer.train_batches:
+    for batch in loader:
         batches.append(batch.to(trainer.device, non_blocking=True))
         if len(batches) == trainer.config.accumulation_steps:
             break
-    complete = len(batches) == trainer.config.accumulation_steps
-    flag = torch.tensor([1 if complete else 0], device=trainer.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return batches if flag.item() == 1 else None
+    missing = len(batches) < trainer.config.accumulation_steps
+    flags = torch.tensor([int(missing), int(stop_requested)], device=trainer.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return (None if flags[0] else batches), bool(flags[1])
 
 
 def forward_backward(model: DistributedDataParallel, batches: list[torch.Tensor]) -> torch.Tensor:
@@ -221,35 +268,112 @@ def forward_backward(model: DistributedDataParallel, batches: list[torch.Tensor]
     return total
 
 
-def train(trainer: Trainer) -> int:
-    """The training loop; returns the number of optimizer steps taken."""
-    config, model = trainer.config, trainer.model
+def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tensor, Tensor]:
+    """One optimizer step over ``batches``: returns (mean loss, gradient norm before clipping)."""
+    loss = forward_backward(trainer.model, batches)
+    params = trainer.model.parameters()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.config.max_grad_norm)
+    trainer.optimizer.step()
+    trainer.scheduler.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def train(trainer: Trainer) -> bool:
+    """The training loop. Returns True when training finished (step limit or end of data) and
+    False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
+    config = trainer.config
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
-    step, window = 0, Window(trainer)
-    model.train()
-    while step < max_steps:
-        batches = next_micro_batches(trainer)
-        if batches is None:
-            log.info("end of training data after %d steps", step)
-            break
-        loss = forward_backward(model, batches)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        trainer.optimizer.step()
-        trainer.scheduler.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        step += 1
-        window.add(loss, grad_norm)
-        if step % config.log_every == 0:
-            trainer.metrics.log(window.flush(step))
-        if config.eval_every and step % config.eval_every == 0:
-            trainer.metrics.log({"step": step, **evaluate(trainer)})
+    loader = iter(build_loader(trainer.windows, config.batch_size))
+    window, progress = Window(trainer), progress_bar(trainer, max_steps)
+    trainer.model.train()
+    with StopRequest() as stop:
+        while trainer.step < max_steps:
+            start = time.perf_counter()
+            batches, stopping = next_micro_batches(trainer, loader, stop.requested)
+            data_time = time.perf_counter() - start
+            if stopping:
+                save(trainer)
+                log.warning("stopped by a signal: checkpoint saved at step %d", trainer.step)
+                return False
+            if batches is None:
+                log.info("end of training data after %d steps", trainer.step)
+                break
+            loss, grad_norm = optimizer_step(trainer, batches)
+            trainer.step += 1
+            window.add(loss, grad_norm, data_time, time.perf_counter() - start)
+            progress.update()
+            after_step(trainer, window, progress)
+    progress.close()
+    finish(trainer)
+    return True
+
+
+def after_step(trainer: Trainer, window: Window, progress: tqdm) -> None:
+    """Log, evaluate and checkpoint on their cadences."""
+    config, step = trainer.config, trainer.step
+    if step % config.log_every == 0:
+        record = window.flush(step)
+        progress.set_postfix(loss=round(record["loss"], 3), tok_s=int(record["tokens_per_s"]))
+        trainer.metrics.log(record)
+    if config.eval_every and step % config.eval_every == 0:
+        trainer.metrics.log({"step": step, **evaluate(trainer)})
+    if config.checkpoint_every and step % config.checkpoint_every == 0:
+        save(trainer)
+
+
+def finish(trainer: Trainer) -> None:
+    """The last evaluation and checkpoint, unless the last step already made them."""
+    config, step = trainer.config, trainer.step
     if config.eval_every == 0 or step % config.eval_every != 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
-    return step
+    if config.checkpoint_every == 0 or step % config.checkpoint_every != 0:
+        save(trainer)
+
+
+def progress_bar(trainer: Trainer, max_steps: float) -> tqdm:
+    """A tqdm bar on rank 0 when stderr is a terminal; disabled (silent) otherwise."""
+    return tqdm(
+        initial=trainer.step,
+        total=None if max_steps == math.inf else int(max_steps),
+        disable=not (trainer.env.is_main and sys.stderr.isatty()),
+        unit="step",
+        dynamic_ncols=True,
+    )
+
+
+class StopRequest:
+    """Turns SIGTERM and SIGINT into a flag the loop checks once per step (preemption).
+
+    The handlers are installed on entering the ``with`` block and the previous ones restored on
+    leaving it.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+    def __enter__(self) -> StopRequest:
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
 
 class Window:
-    """Sums over the steps since the last log line; ``flush`` turns them into one record."""
+    """Sums over the steps since the last log line; ``flush`` turns them into one record.
+
+    Times count the steps alone (data, forward, backward, communication, optimizer), not
+    evaluation or saving, so tokens/s and MFU describe training.
+    """
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -258,33 +382,38 @@ class Window:
     def reset(self) -> None:
         """Start a new logging window."""
         self.loss = torch.zeros((), device=self.trainer.device)
-        self.grad_norm = 0.0
+        self.grad_norm = torch.zeros((), device=self.trainer.device)
         self.steps = 0
         self.comm_bytes = 0
         self.comm_bytes_dense = 0
-        self.start = time.perf_counter()
+        self.step_time = 0.0
+        self.data_time = 0.0
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Record one optimizer step (no synchronisation with other ranks)."""
+    def add(self, loss: Tensor, grad_norm: Tensor, data_time: float, step_time: float) -> None:
+        """Record one optimizer step (no synchronisation with other ranks or the device)."""
         self.loss += loss
-        self.grad_norm = float(grad_norm)
+        self.grad_norm = grad_norm.detach()
         self.steps += 1
+        self.data_time += data_time
+        self.step_time += step_time
         sent, dense = self.trainer.compression.pop_step_bytes()
         self.comm_bytes += sent
         self.comm_bytes_dense += dense
 
     def flush(self, step: int) -> Record:
         """Mean loss over the window and the ranks, throughput and memory; then reset."""
-        elapsed = time.perf_counter() - self.start
-        loss = mean_over_ranks(self.loss / self.steps)
         trainer = self.trainer
-        tokens = tokens_per_step(trainer.config, trainer.env) * self.steps
+        loss = mean_over_ranks(self.loss / self.steps)
+        tokens_per_s = tokens_per_step(trainer.config, trainer.env) * self.steps / self.step_time
         record: Record = {
             "step": step,
             "loss": float(loss),
             "lr": float(trainer.scheduler.get_last_lr()[0]),
-            "tokens_per_s": tokens / elapsed,
-            "grad_norm": self.grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": trainer.flops_per_token * tokens_per_s / trainer.peak_flops_total,
+            "step_time_s": self.step_time / self.steps,
+            "data_time_s": self.data_time / self.steps,
+            "grad_norm": float(self.grad_norm),
             "peak_mem_bytes": peak_memory_bytes(trainer.device),
             "comm_bytes": self.comm_bytes // self.steps,
             "comm_bytes_dense": self.comm_bytes_dense // self.steps,
@@ -319,6 +448,73 @@ def evaluate(trainer: Trainer) -> Record:
     return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}
 
 
+def checkpoint_root(config: TrainConfig) -> Path:
+    """Where step-N checkpoints live: --checkpoint-dir, or <output-dir>/checkpoints."""
+    return Path(config.checkpoint_dir or Path(config.output_dir) / "checkpoints")
+
+
+def shared_state(trainer: Trainer) -> dict[str, Stateful]:
+    """State that is the same on every rank: model, optimizer, learning-rate schedule."""
+    return {
+        "train": ModelAndOptimizer(trainer.model, trainer.optimizer),
+        "scheduler": trainer.scheduler,
+    }
+
+
+def run_identity(trainer: Trainer) -> dict[str, object]:
+    """What a checkpoint must match to be resumed by this run."""
+    return {
+        "model": model_fingerprint(trainer.model),
+        "vocab_size": trainer.model.module.config.vocab_size,
+        "compression": trainer.config.compression,
+        "seq_length": trainer.config.seq_length,
+    }
+
+
+def save(trainer: Trainer) -> Path:
+    """Save an exact-resume checkpoint of the step just finished (collective)."""
+    per_rank = {
+        "data": trainer.windows.state_dict(),
+        "compression": trainer.compression.state_dict(),
+        "rng": capture_rng_state(),
+    }
+    meta = {**run_identity(trainer), "config": dataclasses.asdict(trainer.config)}
+    meta["tokens_seen"] = trainer.step * tokens_per_step(trainer.config, trainer.env)
+    path = save_checkpoint(
+        checkpoint_root(trainer.config),
+        trainer.step,
+        shared_state(trainer),
+        per_rank,
+        meta,
+        keep=trainer.config.keep_checkpoints,
+    )
+    log.info("saved checkpoint %s", path)
+    return path
+
+
+def resume(trainer: Trainer) -> None:
+    """Restore the newest complete checkpoint (or --resume-from) if there is one.
+
+    Raises UserError, before anything is written, if the checkpoint does not fit this run.
+    """
+    config = trainer.config
+    path = Path(config.resume_from) if config.resume_from else None
+    if path is None and config.resume:
+        path = find_latest(checkpoint_root(config))
+    if path is None:
+        return
+    saved = read_meta(path)
+    check_compatible(saved, {**run_identity(trainer), "world_size": trainer.env.world_size})
+    per_rank = load_checkpoint(path, shared_state(trainer))
+    trainer.windows.load_state_dict(per_rank["data"])
+    trainer.compression.load_state_dict(per_rank["compression"])
+    restore_rng_state(per_rank["rng"])
+    trainer.step = int(saved["step"])
+    if trainer.env.is_main:
+        drop_records_after(Path(config.output_dir) / "metrics.jsonl", trainer.step)
+    log.info("resumed from %s at step %d", path, trainer.step)
+
+
 def save_final_model(trainer: Trainer) -> None:
     """Rank 0 writes ``<output_dir>/final_model`` (safetensors + tokenizer); all ranks wait."""
     if trainer.env.is_main:
@@ -327,4 +523,3 @@ def save_final_model(trainer: Trainer) -> None:
         trainer.tokenizer.save_pretrained(target)
         log.info("saved the final model to %s", target)
     dist.barrier()
-    trainer.metrics.close()

@@ -1,11 +1,13 @@
-"""One metrics logger on rank 0 with pluggable sinks (stdout, metrics.jsonl).
+"""One metrics logger on rank 0 with pluggable sinks (log line, metrics.jsonl, TensorBoard).
 
-Keys and units: ``step`` (optimizer steps done), ``loss`` (mean cross-entropy over ranks, nats per
-token), ``lr``, ``tokens_per_s`` (trained tokens per second over all ranks), ``grad_norm`` (global
-L2 norm before clipping), ``peak_mem_bytes`` (CUDA max allocated, or peak resident set size of
-the process on CPU), ``comm_bytes`` / ``comm_bytes_dense`` (gradient bytes sent per step per rank,
-and what a dense fp32 all-reduce would send), ``compression_ratio`` (dense / sent); evaluation
-records carry ``eval_loss`` and ``eval_ppl``.
+Keys and units: ``step`` (optimizer steps done), ``loss`` (mean cross-entropy over ranks, nats
+per token), ``lr``, ``tokens_per_s`` (trained tokens per second over all ranks), ``mfu`` (model
+FLOPs utilisation, 0..1), ``step_time_s`` and ``data_time_s`` (seconds per step, and the part
+spent waiting for data), ``grad_norm`` (global L2 norm before clipping), ``peak_mem_bytes``
+(CUDA max allocated, or peak resident set size of the process on CPU), ``comm_bytes`` /
+``comm_bytes_dense`` (gradient bytes sent per step per rank, and what a dense fp32 all-reduce
+would send), ``compression_ratio`` (dense / sent); evaluation records carry ``eval_loss`` and
+``eval_ppl``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -81,11 +84,24 @@ class MetricsLogger:
             sink.close()
 
 
-def build_metrics(output_dir: Path, is_main: bool) -> MetricsLogger:
-    """Stdout and ``<output_dir>/metrics.jsonl`` on rank 0; nothing on other ranks."""
+def build_metrics(output_dir: Path, is_main: bool, tensorboard: bool = False) -> MetricsLogger:
+    """Log lines and ``<output_dir>/metrics.jsonl`` on rank 0, plus TensorBoard event files in
+    ``<output_dir>/tensorboard`` if asked; nothing on other ranks."""
     if not is_main:
         return MetricsLogger([])
-    return MetricsLogger([LogSink(), JsonlSink(output_dir / "metrics.jsonl")])
+    sinks: list[Sink] = [LogSink(), JsonlSink(output_dir / "metrics.jsonl")]
+    if tensorboard:
+        sinks.append(TensorBoardSink(output_dir / "tensorboard"))
+    return MetricsLogger(sinks)
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """Remove records past ``step`` from a metrics.jsonl (a resumed run logs those steps again)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(kept), encoding="utf-8")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -93,3 +109,67 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class TensorBoardSink:
+    """Scalars for TensorBoard under ``log_dir``: ``train/<key>`` and ``eval/<key>`` by step."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional sink
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: Record) -> None:
+        step = int(record["step"])
+        group = "eval" if "eval_loss" in record else "train"
+        for key, value in record.items():
+            if key != "step":
+                self.writer.add_scalar(f"{group}/{key}", value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "RTX 4090": 165e12,
+    "V100": 125e12,
+}
+"""Dense bf16/fp16 tensor-core peak FLOP/s per GPU, from the vendors' data sheets (SXM parts)."""
+
+
+def model_flops_per_token(parameters: int, layers: int, hidden: int, seq_length: int) -> float:
+    """Training FLOPs per token: ``6 N + 12 L H T`` (forward and backward; the second term is
+    attention over T positions). Kaplan et al. 2020, and Chowdhery et al. 2022 (PaLM), App. B."""
+    return 6.0 * parameters + 12.0 * layers * hidden * seq_length
+
+
+def measure_cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
+    """This process's fp32 matmul rate in FLOP/s, measured on ``size`` x ``size`` matrices with
+    the current ``torch.get_num_threads()``: the CPU's practical peak for MFU."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2.0 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def device_peak_flops(device: torch.device) -> tuple[float, str]:
+    """Peak FLOP/s of one rank's device, and where the figure comes from.
+
+    CUDA: the table above by device name (0 if unknown, so MFU is not reported); CPU: a short
+    fp32 matmul measurement.
+    """
+    if device.type != "cuda":
+        return measure_cpu_peak_flops(), "measured fp32 matmul on this CPU"
+    name = torch.cuda.get_device_name(device)
+    for key, peak in GPU_PEAK_FLOPS.items():
+        if key in name:
+            return peak, f"data-sheet bf16 peak of {key}"
+    return 0.0, f"unknown GPU {name}: MFU not reported"

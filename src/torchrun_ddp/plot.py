@@ -1,0 +1,70 @@
+"""``python -m torchrun_ddp.plot OUTPUT_DIR [OUTPUT_DIR ...] [--out FILE]``: compare runs.
+
+Reads each run's ``metrics.jsonl`` and writes one PNG with four panels against step: train loss,
+held-out loss, learning rate and tokens/s, one line per run (e.g. one per compression method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib as mpl
+
+mpl.use("Agg")
+import matplotlib.pyplot as plt
+
+PANELS = (("loss", "train loss"), ("eval_loss", "held-out loss"), ("lr", "learning rate"))
+PANELS += (("tokens_per_s", "tokens/s"),)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The records of ``run_dir/metrics.jsonl``; raises FileNotFoundError if it is missing."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> Path:
+    """Draw the four panels for every run into ``out`` (PNG) and return its path."""
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    for run_dir in run_dirs:
+        records = read_metrics(run_dir)
+        for axis, (key, title) in zip(axes.flat, PANELS, strict=True):
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                steps, values = zip(*points, strict=True)
+                axis.plot(
+                    steps, values, marker="." if len(points) < 20 else None, label=run_dir.name
+                )
+            axis.set_title(title)
+            axis.set_xlabel("step")
+    for axis in axes.flat:
+        if axis.has_data():
+            axis.legend(fontsize="small")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry; prints the PNG's path. Exit status 2 on a missing metrics file."""
+    parser = argparse.ArgumentParser(prog="python -m torchrun_ddp.plot", description=__doc__)
+    parser.add_argument("runs", nargs="+", type=Path, help="output folders with metrics.jsonl")
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: first run)")
+    args = parser.parse_args(argv)
+    missing = [str(run) for run in args.runs if not (run / "metrics.jsonl").is_file()]
+    if missing:
+        print(
+            f"error: no metrics.jsonl in {missing[0]}; pass a run's --output-dir", file=sys.stderr
+        )
+        return 2
+    out = args.out or args.runs[0] / "metrics.png"
+    print(plot_runs(args.runs, out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

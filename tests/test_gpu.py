@@ -1,0 +1,27 @@
+"""GPU tests: NCCL and bf16 on CUDA. Skipped on machines without a GPU (CI has none)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_end_to_end import tiny_args, torchrun
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_tiny_config_trains_with_nccl_and_bf16(shared_data: Path, tmp_path: Path) -> None:
+    nproc = min(2, torch.cuda.device_count())
+    extra = ("--device", "cuda", "--backend", "nccl", "--model-dtype", "bfloat16")
+    result = torchrun(tiny_args(shared_data, tmp_path, *extra, "--max-steps", "20"), nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert "nccl" in result.stdout + result.stderr
