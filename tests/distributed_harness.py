@@ -4,6 +4,9 @@
 gloo process group on a free loopback port in each, calls ``fn(rank, world_size, *args)`` and
 returns the per-rank results as a list ordered by rank. A worker that raises fails the test with
 its traceback; a group that hangs is killed after ``timeout`` seconds.
+
+``torchrun_command(args)`` / ``torchrun(args)`` run ``train.py`` under the real torchrun launcher
+(c10d rendezvous on a free loopback port), always with a timeout.
 """
 
 from __future__ import annotations
@@ -11,14 +14,68 @@ from __future__ import annotations
 import io
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 420.0
+
+
+def torchrun_command(
+    args: list[str], nproc: int = 2, nnodes: int = 1, port: int | None = None, extra: tuple = ()
+) -> list[str]:
+    """The command line of ``torchrun ... train.py args`` with c10d rendezvous on loopback."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        f"--nnodes={nnodes}", "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port or free_port()}", *extra,
+        str(REPO / "train.py"), *args,
+    ]  # fmt: skip
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for training subprocesses: offline hub, unbuffered output, and a fresh
+    rendezvous store per torchrun restart (as run.sh sets it; see README, fault tolerance)."""
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+
+
+def torchrun(args: list[str], nproc: int = 2, **options: object) -> subprocess.CompletedProcess:
+    """Run ``train.py`` under torchrun to completion (or the timeout); output captured."""
+    return subprocess.run(
+        torchrun_command(args, nproc, **options),
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+def tiny_args(shared_data: Path, output_dir: Path, *extra: str) -> list[str]:
+    """The tiny config on the shared C4 sample, with the output folder given."""
+    return [
+        "--config", str(REPO / "configs" / "tiny.toml"),
+        "--tokenizer", str(shared_data / "tokenizer" / "mistral-7b-v0.1"),
+        "--data-files", str(shared_data / "c4" / "*train*.json.gz"),
+        "--eval-files", str(shared_data / "c4" / "*validation*.json.gz"),
+        "--output-dir", str(output_dir),
+        *extra,
+    ]  # fmt: skip
 
 
 def free_port() -> int:
@@ -100,7 +157,11 @@ def _collect(
         if not ok:
             _kill(procs)
             raise RuntimeError(f"rank {rank} failed:\n{value}")
-        collected[rank] = torch.load(io.BytesIO(value), weights_only=True)
+        try:
+            collected[rank] = torch.load(io.BytesIO(value), weights_only=True)
+        except Exception:
+            _kill(procs)
+            raise
     return collected
 
 
@@ -111,4 +172,4 @@ def _kill(procs: list[mp.Process]) -> None:
         proc.join(timeout=5)
 
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["free_port", "run_distributed", "tiny_args", "torchrun", "torchrun_command"]
