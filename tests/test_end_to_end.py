@@ -3,52 +3,30 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import free_port
+from distributed_harness import tiny_args, torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: float = 400) -> subprocess.CompletedProcess:
-    """Run ``torchrun --nproc_per_node nproc train.py args`` on loopback, with a timeout."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        str(REPO / "train.py"), *args,
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-
-
-def tiny_args(shared_data: Path, output_dir: Path, *extra: str) -> list[str]:
-    """The tiny config on the shared C4 sample, small enough for a test."""
-    return [
-        "--config", str(REPO / "configs" / "tiny.toml"),
-        "--tokenizer", str(shared_data / "tokenizer" / "mistral-7b-v0.1"),
-        "--data-files", str(shared_data / "c4" / "*train*.json.gz"),
-        "--eval-files", str(shared_data / "c4" / "*validation*.json.gz"),
-        "--output-dir", str(output_dir),
+def e2e_args(shared_data: Path, output_dir: Path, *extra: str) -> list[str]:
+    """The tiny config, shortened for a test: 40 steps of 2 x 4 x 128 tokens."""
+    return tiny_args(
+        shared_data, output_dir,
         "--seq-length", "128", "--batch-size", "4", "--max-steps", str(STEPS),
         "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5",
-        "--eval-every", "20", "--eval-batches", "4",
-        *extra,
-    ]  # fmt: skip
+        "--eval-every", "20", "--eval-batches", "4", *extra,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def tiny_run(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     output_dir = tmp_path_factory.mktemp("tiny")
-    result = torchrun(tiny_args(shared_data, output_dir))
+    result = torchrun(e2e_args(shared_data, output_dir))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (output_dir / "log.txt").write_text(result.stdout + result.stderr)
     return output_dir

@@ -292,10 +292,6 @@ def train(trainer: Trainer) -> bool:
             start = time.perf_counter()
             batches, stopping = next_micro_batches(trainer, loader, stop.requested)
             data_time = time.perf_counter() - start
-            if stopping:
-                save(trainer)
-                log.warning("stopped by a signal: checkpoint saved at step %d", trainer.step)
-                return False
             if batches is None:
                 log.info("end of training data after %d steps", trainer.step)
                 break
@@ -303,6 +299,11 @@ def train(trainer: Trainer) -> bool:
             trainer.step += 1
             window.add(loss, grad_norm, data_time, time.perf_counter() - start)
             progress.update()
+            if stopping:
+                trainer.metrics.log(window.flush(trainer.step))
+                save(trainer)
+                log.warning("stopped by a signal: checkpoint saved at step %d", trainer.step)
+                return False
             after_step(trainer, window, progress)
     progress.close()
     finish(trainer)
