@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# torchrun wrapper for single- and multi-node runs. Extra arguments go to train.py.
+# torchrun wrapper for single- and multi-node runs; extra arguments go to train.py.
 #   NPROC_PER_NODE=8 ./run.sh --config configs/llama2_7b.toml
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 ./run.sh --config configs/llama2_7b.toml   # on node 0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 ./run.sh --config configs/llama2_7b.toml   # on node 1
+# A crashed worker makes torchrun restart the whole group (up to MAX_RESTARTS times); the
+# restarted workers resume from the newest complete checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -12,6 +14,13 @@ NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"
 MASTER_PORT="${MASTER_PORT:-29400}"
 RDZV_ID="${RDZV_ID:-default}"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+# Seconds to wait for all nodes at a (re)start: long enough for a restarted node to come back.
+RDZV_TIMEOUT="${RDZV_TIMEOUT:-900}"
+
+# torchrun shares its rendezvous store with the workers by default; after a restart workers can
+# then read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 if command -v uv >/dev/null 2>&1; then
   TORCHRUN=(uv run torchrun)
@@ -26,4 +35,6 @@ exec "${TORCHRUN[@]}" \
   --rdzv_id="$RDZV_ID" \
   --rdzv_backend=c10d \
   --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
+  --rdzv_conf="join_timeout=$RDZV_TIMEOUT,last_call_timeout=30,close_timeout=60" \
+  --max_restarts="$MAX_RESTARTS" \
   train.py "$@"

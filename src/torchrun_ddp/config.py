@@ -94,6 +94,19 @@ class TrainConfig:
         0.5, "dct: fraction of DCT coefficients sent per block (0 < ratio <= 1)."
     )
     compression_block_size: int = _opt(64, "dct, dct-topk: DCT block length in values.")
+    compression_topk: int = _opt(8, "dct-topk: largest DCT coefficients sent per block.")
+    compression_value_dtype: str = _opt(
+        "float32",
+        "dct-topk: dtype of the values sent (indices are uint8/int16/int32 by block size).",
+        choices=["float32", "bfloat16", "float16"],
+    )
+    compression_error_feedback: bool = _opt(
+        True, "dct, dct-topk: add what was not sent to the next step's gradient."
+    )
+    compression_start_step: int = _opt(
+        0, "Optimizer steps of plain dense all-reduce before compression starts."
+    )
+    powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank gradient approximation.")
     # Checkpoints and resume
     checkpoint_dir: str = _opt(
         "",
@@ -193,9 +206,9 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 _POSITIVE = ("seq_length", "batch_size", "accumulation_steps", "learning_rate", "epochs")
 _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "timeout_s")
-_POSITIVE += ("keep_checkpoints",)
+_POSITIVE += ("keep_checkpoints", "compression_topk", "powersgd_rank")
 _NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_lr")
-_NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every")
+_NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every", "compression_start_step")
 
 
 def validate(config: TrainConfig) -> None:

@@ -42,7 +42,12 @@ from torchrun_ddp.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from torchrun_ddp.compression import CompressionSettings, CompressionState, register_compression
+from torchrun_ddp.compression import (
+    CompressionSettings,
+    CompressionState,
+    register_compression,
+    validate_settings,
+)
 from torchrun_ddp.config import TrainConfig, save_config
 from torchrun_ddp.distributed import (
     DistEnv,
@@ -115,8 +120,29 @@ class Trainer:
     """Optimizer steps done (restored on resume)."""
 
 
+def compression_settings(config: TrainConfig) -> CompressionSettings:
+    """The comm hook's settings from the config; raises UserError if they do not fit together."""
+    settings = CompressionSettings(
+        method=config.compression,
+        ratio=config.compression_ratio,
+        block_size=config.compression_block_size,
+        topk=config.compression_topk,
+        error_feedback=config.compression_error_feedback,
+        start_step=config.compression_start_step,
+        powersgd_rank=config.powersgd_rank,
+        topk_value_dtype=config.compression_value_dtype,
+    )
+    try:
+        validate_settings(settings)
+    except ValueError as exc:  # validate_settings raises ValueError for bad settings only
+        raise UserError(str(exc)) from exc
+    return settings
+
+
 def prepare_inputs(config: TrainConfig) -> Inputs:
-    """Check the model, tokenizer and data paths; raises UserError on the first problem."""
+    """Check the model, tokenizer, data paths and compression settings; raises UserError on the
+    first problem."""
+    compression_settings(config)
     model_config = load_model_config(config.model)
     limit = max_positions(model_config)
     if limit and config.seq_length > limit:
@@ -163,12 +189,7 @@ def build_trainer(
         config.model, inputs.model_config, config.init, config.model_dtype, config.seed, device
     )
     ddp_model = wrap_ddp(model, device)
-    settings = CompressionSettings(
-        method=config.compression,
-        ratio=config.compression_ratio,
-        block_size=config.compression_block_size,
-    )
-    compression = register_compression(ddp_model, settings)
+    compression = register_compression(ddp_model, compression_settings(config))
     optimizer = build_optimizer(model, config.learning_rate, config.weight_decay)
     scheduler = build_scheduler(
         optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
