@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
+from torchrun_ddp.config import parse_config  # noqa: E402
 
 
 def _tiny_args(shared_data: Path, tmp_path: Path) -> list[str]:
@@ -80,3 +81,13 @@ def test_hub_dataset_without_network_points_to_data_files(
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot reach the Hugging Face hub") and "--data-files" in last
+
+
+def test_print_config_round_trips_through_config(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["--seq-length", "96", "--compression", "dct-topk", "--data-files", "a.json", "b.json"]
+    assert train.main([*argv, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "printed.toml").write_text(printed)
+    assert parse_config(["--config", str(tmp_path / "printed.toml")]) == parse_config(argv)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from distributed_harness import tiny_args, torchrun
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from torchrun_ddp import plot
 
 STEPS = 40
 
@@ -19,7 +23,7 @@ def e2e_args(shared_data: Path, output_dir: Path, *extra: str) -> list[str]:
         shared_data, output_dir,
         "--seq-length", "128", "--batch-size", "4", "--max-steps", str(STEPS),
         "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5",
-        "--eval-every", "20", "--eval-batches", "4", *extra,
+        "--eval-every", "20", "--eval-batches", "4", "--tensorboard", *extra,
     )  # fmt: skip
 
 
@@ -44,6 +48,9 @@ def test_metrics_have_the_documented_keys(tiny_run: Path) -> None:
         for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "peak_mem_bytes"):
             assert key in record, key
         assert record["tokens_per_s"] > 0 and record["peak_mem_bytes"] > 0
+        assert 0 < record["mfu"] <= 1, "MFU against the measured fp32 matmul peak"
+        assert record["comm_bytes"] == record["comm_bytes_dense"] > 0, "no compression: dense"
+        assert 0 <= record["data_time_s"] < record["step_time_s"]
 
 
 def test_loss_falls_and_eval_is_finite(tiny_run: Path) -> None:
@@ -52,7 +59,8 @@ def test_loss_falls_and_eval_is_finite(tiny_run: Path) -> None:
     assert losses[0] > 9.0, "an untrained model starts near ln(32000) = 10.4"
     assert losses[-1] < losses[0] - 2.0, losses
     evals = [r for r in records if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [20, 40]
+    assert [r["step"] for r in evals] == [0, 20, 40]
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(32000), abs=0.3), "untrained model"
     assert all(torch.isfinite(torch.tensor(r["eval_loss"])) for r in evals)
     assert evals[-1]["eval_loss"] < 9.0
     assert evals[-1]["eval_ppl"] == pytest.approx(2.718281828 ** evals[-1]["eval_loss"], rel=1e-6)
@@ -73,3 +81,20 @@ def test_final_model_loads_and_generates(tiny_run: Path) -> None:
     assert isinstance(tokenizer.decode(out[0]), str)
     assert (tiny_run / "final_model" / "model.safetensors").is_file()
     assert "max_steps = 40" in (tiny_run / "config.toml").read_text()
+
+
+def test_tensorboard_events_hold_the_logged_scalars(tiny_run: Path) -> None:
+    events = EventAccumulator(str(tiny_run / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"train/loss", "train/tokens_per_s", "train/mfu", "eval/eval_loss"} <= set(tags)
+    logged = {r["step"]: r["loss"] for r in _records(tiny_run) if "loss" in r}
+    scalars = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert scalars == pytest.approx(logged)
+
+
+def test_plot_writes_a_png(tiny_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "runs.png"
+    assert plot.main([str(tiny_run), str(tiny_run), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert plot.main([str(tmp_path / "missing")]) == 2

@@ -307,6 +307,8 @@ def train(trainer: Trainer) -> bool:
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
     loader = iter(build_loader(trainer.windows, config.batch_size))
     window, progress = Window(trainer), progress_bar(trainer, max_steps)
+    if trainer.step == 0 and config.eval_every:
+        trainer.metrics.log({"step": 0, **evaluate(trainer)})  # the untrained baseline
     trainer.model.train()
     with StopRequest() as stop:
         while trainer.step < max_steps:
