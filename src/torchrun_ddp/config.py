@@ -177,6 +177,8 @@ def build_parser() -> HfArgumentParser:
         action="store_true",
         help="Print the resolved config as TOML (readable by --config) and exit.",
     )
+    for action in parser._actions:  # show --seq-length before its alias --seq_length
+        action.option_strings.sort(key=lambda option: "_" in option)
     return parser
 
 
