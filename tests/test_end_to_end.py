@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import tiny_args, torchrun
+from distributed_harness import REPO, subprocess_env, tiny_args, torchrun
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,3 +101,35 @@ def test_plot_writes_a_png(tiny_run: Path, tmp_path: Path) -> None:
     assert plot.main([str(tiny_run), str(tiny_run), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert plot.main([str(tmp_path / "missing")]) == 2
+
+
+def test_ranks_stop_together_at_the_end_of_uneven_data(shared_data: Path, tmp_path: Path) -> None:
+    """Rank 0 gets 4 documents and rank 1 gets 3 (every other line): with --max-steps -1 both
+    stop on the step where the first of them runs out, instead of waiting forever."""
+    texts = [" ".join(["word"] * (40 + 10 * i)) for i in range(7)]
+    data = tmp_path / "uneven.json.gz"
+    with gzip.open(data, "wt", encoding="utf-8") as handle:
+        handle.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    args = tiny_args(
+        shared_data, tmp_path / "out",
+        "--data-files", str(data), "--eval-files", str(data), "--max-steps", "-1",
+        "--seq-length", "16", "--batch-size", "1", "--shuffle-buffer", "0", "--log-every", "1",
+        "--eval-batches", "1",
+    )  # fmt: skip
+    result = torchrun(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r["step"] for r in _records(tmp_path / "out") if "loss" in r]
+    assert "end of training data after" in result.stderr + result.stdout
+    assert steps and steps == list(range(1, len(steps) + 1))
+
+
+def test_without_torchrun_trains_as_one_process(shared_data: Path, tmp_path: Path) -> None:
+    args = tiny_args(shared_data, tmp_path, "--max-steps", "2", "--seq-length", "32",
+                     "--batch-size", "1", "--log-every", "1", "--eval-batches", "1")  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+        env=subprocess_env(), timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world_size 1" in result.stderr
+    assert [r["step"] for r in _records(tmp_path) if "loss" in r] == [1, 2]
