@@ -1,0 +1,656 @@
+"""Dry-run memory and FLOP plan for DDP training of a LLaMA model: bytes per rank, before a run.
+
+Everything here is byte arithmetic over the architecture; the only model ever built is a
+meta-device one (no storage) to count parameters. The plan is an estimate, not a measurement:
+
+- Persistent state per rank: weights, DDP's gradient buckets and the AdamW moments (sharded by
+  ``ZeroRedundancyOptimizer`` under zero1), plus a fixed overhead the caller can set (the CUDA
+  context and NCCL buffers on a GPU, or the measured resident size of the Python process on CPU).
+- Transient state: gradients (``zero_grad(set_to_none=True)`` frees them every step),
+  activations saved for backward, the fp32 log-probabilities of the loss, the bf16 weight copies
+  that autocast caches, and the one parameter-sized buffer foreach AdamW allocates in ``step()``.
+
+The per-rank total is the peak over four moments of a training step (end of forward, start of
+backward, end of backward, optimizer step), not the sum of every row: gradients are allocated
+while activations are freed, so both are never at their maximum together. The sum is reported as
+an upper bound. Not modelled: caching-allocator fragmentation on CUDA (reserved memory is usually
+a few percent above allocated), comm-hook buffers (gradient compression), evaluation, checkpoint
+saving, and the first step (AdamW creates its state lazily, so step 1 peaks lower).
+
+Sources: DDP buckets, https://pytorch.org/docs/stable/notes/ddp.html; ZeRO stage 1, Rajbhandari
+et al. 2020 and ``torch.distributed.optim.ZeroRedundancyOptimizer``; activation accounting in
+the style of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"), redone for transformers' ``LlamaDecoderLayer`` with SDPA attention; FLOPs, Kaplan et
+al. 2020 and Chowdhery et al. 2022 (PaLM), appendix B.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+
+from torchrun_ddp.errors import UserError
+
+GIB = 2**30
+MIB = 2**20
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+"""fp32: everything fp32. bf16-mixed: fp32 weights, gradients and AdamW state, forward and
+backward under ``torch.autocast(dtype=torch.bfloat16)``. bf16: weights and gradients in bf16
+(``model_dtype = "bfloat16"``), no autocast, no fp32 master copy."""
+
+DEFAULT_OVERHEAD_GIB = 1.0
+"""Fixed per-rank overhead outside the tensors the plan counts, in GiB: a CUDA context (about
+0.5 GiB on an H100 with lazy module loading) plus NCCL communicator buffers and cuBLAS workspaces
+(about 0.5 GiB). An assumption, not a measurement: pass 0 to compare with
+``torch.cuda.max_memory_allocated``, or a measured process baseline for CPU resident memory."""
+
+LLAMA2_7B: dict[str, int | float | str | bool] = {
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "use_cache": False,
+}
+"""LlamaConfig fields of LLaMA-2-7B (Touvron et al. 2023, the ``meta-llama/Llama-2-7b-hf``
+config), carried by the package so the plan needs neither the hub nor HF_TOKEN."""
+
+
+def llama2_7b_config() -> LlamaConfig:
+    """The LLaMA-2-7B architecture as a ``LlamaConfig`` (6,738,415,616 parameters)."""
+    return LlamaConfig(**LLAMA2_7B)
+
+
+def meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` built on the meta device: parameters have
+    shapes and dtypes (fp32) but no storage, so a 7B model costs no memory and well under a
+    second."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Number of parameters (elements) in ``model``; works on meta-device models."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_sizes(model: torch.nn.Module) -> list[int]:
+    """Element count of each parameter tensor, for ZeroRedundancyOptimizer's partition."""
+    return [p.numel() for p in model.parameters()]
+
+
+def model_flops_per_token(parameters: int, layers: int, hidden: int, seq_length: int) -> float:
+    """Training FLOPs per token, forward plus backward: ``6 N + 12 L H T``.
+
+    ``6 N``: two FLOPs per parameter per token for the forward matmuls, four for the backward;
+    ``12 L H T``: the attention scores and weighted sum over ``T`` positions in each of ``L``
+    layers of width ``H``. Kaplan et al. 2020 ("Scaling Laws for Neural Language Models") and
+    Chowdhery et al. 2022 (PaLM), appendix B; the same formula as the training metrics use.
+    """
+    return 6.0 * parameters + 12.0 * layers * hidden * seq_length
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The sizes of a LLaMA-style decoder the plan needs (from a transformers config)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+    tied_embeddings: bool
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection and of the attention output: heads x head_dim."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key and value projections: kv_heads x head_dim (smaller under GQA)."""
+        return self.kv_heads * self.head_dim
+
+    def layer_linear_parameters(self) -> int:
+        """Weights of one decoder layer's seven bias-free ``nn.Linear`` (q, k, v, o, gate, up,
+        down), in elements."""
+        attention = self.hidden * (2 * self.q_dim + 2 * self.kv_dim)
+        return attention + 3 * self.hidden * self.intermediate
+
+    def parameter_sizes(self) -> list[int]:
+        """Element counts of ``LlamaForCausalLM``'s parameters in module order (embedding,
+        layers, final norm, lm_head unless tied)."""
+        layer = [self.hidden * self.q_dim, self.hidden * self.kv_dim, self.hidden * self.kv_dim]
+        layer += [self.q_dim * self.hidden] + [self.hidden * self.intermediate] * 3
+        layer += [self.hidden, self.hidden]
+        head = [] if self.tied_embeddings else [self.vocab * self.hidden]
+        return [self.vocab * self.hidden, *layer * self.layers, self.hidden, *head]
+
+
+def architecture(config: PretrainedConfig) -> Architecture:
+    """Read the decoder sizes from a LLaMA-style config.
+
+    Raises UserError when a size is missing (not a decoder-only transformer config).
+    """
+    names = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+    missing = [name for name in names if not getattr(config, name, None)]
+    if missing or not getattr(config, "vocab_size", None):
+        raise UserError(
+            f"model config lacks {', '.join(missing) or 'vocab_size'}; the memory plan needs a "
+            "LLaMA-style decoder config (hidden_size, intermediate_size, layers, heads, vocab)"
+        )
+    heads = int(config.num_attention_heads)
+    return Architecture(
+        layers=int(config.num_hidden_layers),
+        hidden=int(config.hidden_size),
+        intermediate=int(config.intermediate_size),
+        heads=heads,
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        vocab=int(config.vocab_size),
+        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """One DDP training setup to plan for, per rank.
+
+    ``device_memory_gib`` and ``overhead_gib`` are GiB (2**30 bytes); ``ddp_bucket_cap_mb`` is
+    DDP's ``bucket_cap_mb`` (MiB). ``gradient_as_bucket_view`` is DDP's argument of that name
+    (the project uses DDP's default, False). ``accumulation_steps`` > 1 keeps the gradients of
+    earlier micro-batches alive through the next forward. Raises UserError on a bad value.
+    """
+
+    world_size: int
+    micro_batch: int
+    seq_length: int
+    precision: str = "fp32"
+    zero1: bool = False
+    activation_checkpointing: bool = False
+    device_memory_gib: float = 80.0
+    ddp_bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    accumulation_steps: int = 1
+    overhead_gib: float = DEFAULT_OVERHEAD_GIB
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise UserError(
+                f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}; pick one"
+            )
+        counts = ("world_size", "micro_batch", "seq_length", "accumulation_steps")
+        for name in counts:
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.device_memory_gib <= 0 or self.ddp_bucket_cap_mb <= 0 or self.overhead_gib < 0:
+            raise UserError(
+                "device_memory_gib and ddp_bucket_cap_mb must be positive and overhead_gib "
+                f"non-negative, got {self.device_memory_gib}, {self.ddp_bucket_cap_mb}, "
+                f"{self.overhead_gib}"
+            )
+
+    def describe(self) -> str:
+        """A one-line label, e.g. ``bf16-mixed + zero1 + checkpointing, 8 x 80 GiB, micro-batch
+        4 x 512 tokens``."""
+        parts = [self.precision]
+        parts += ["zero1"] if self.zero1 else []
+        parts += ["checkpointing"] if self.activation_checkpointing else []
+        parts += ["grad bucket view"] if self.gradient_as_bucket_view else []
+        return (
+            f"{' + '.join(parts)}, {self.world_size} x {self.device_memory_gib:g} GiB, "
+            f"micro-batch {self.micro_batch} x {self.seq_length} tokens"
+        )
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """Bytes per element of each kind of state under one precision."""
+
+    weight: int
+    grad: int
+    moment: int
+    residual: int
+    """The residual stream between layers (what activation checkpointing keeps per layer)."""
+
+
+_PRECISION_BYTES = {
+    "fp32": _Bytes(weight=4, grad=4, moment=4, residual=4),
+    "bf16-mixed": _Bytes(weight=4, grad=4, moment=4, residual=4),
+    "bf16": _Bytes(weight=2, grad=2, moment=2, residual=2),
+}
+"""bf16: torch's AdamW creates its moments with ``zeros_like(param)``, so bf16 parameters get
+bf16 moments (2 + 2 bytes per parameter); there is no fp32 master copy."""
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """Bytes saved for backward per token, per unit of width, in one decoder layer.
+
+    ``norms``: both RMSNorms per hidden unit (their fp32 input, normalised value and output) plus,
+    under autocast, the bf16 copy of the normalised input that each of q, k, v, gate and up makes
+    for itself. ``query``: q after RoPE and the SDPA output, per query unit. ``key_value``: k after
+    RoPE and v, per kv unit. ``mlp``: gate, SiLU(gate), up and their product, per intermediate
+    unit. ``head``: the final norm and lm_head's input, per hidden unit.
+    """
+
+    norms: int
+    query: int
+    key_value: int
+    mlp: int
+    head: int
+
+
+_SAVED = {
+    "fp32": _Saved(norms=2 * 12, query=8, key_value=8, mlp=16, head=12),
+    "bf16-mixed": _Saved(norms=2 * 8 + 5 * 2, query=4, key_value=4, mlp=8, head=10),
+    "bf16": _Saved(norms=2 * 8, query=4, key_value=4, mlp=8, head=8),
+}
+"""Derived by reading what autograd saves in transformers' LlamaDecoderLayer (RMSNorm upcasts its
+input to fp32; RoPE multiplies by constant cos/sin so saves nothing of size; SDPA keeps q, k, v,
+its output and an fp32 log-sum-exp, never the T x T matrix; linears save their input):
+fp32 4(3 + 3) H for the norms, 4 (q + out), 4 (k + v), 4 x 4 I for the MLP, i.e. 40 H + 16 I
+for multi-head attention; bf16-mixed 2 x (4 + 4) H fp32 norm tensors + 5 x 2 H autocast input
+copies, 2 (q + out), 2 (k + v), 4 x 2 I: 34 H + 8 I; bf16 2 x (4 + 2 + 2) H, 2 (q + out),
+2 (k + v), 4 x 2 I: 24 H + 8 I. tests/test_memory_plan.py checks them against saved-tensor hooks."""
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Activation memory of one micro-batch, bytes per rank.
+
+    ``saved``: what is kept for backward at the end of forward, without the loss (every layer's
+    saved tensors, or only each layer's input under checkpointing, plus the final norm).
+    ``layer``: one layer's saved tensors (recomputed during backward under checkpointing).
+    ``loss_forward`` / ``loss_backward``: the [B, T, V] logits tensors alive at the end of
+    forward and at the start of backward.
+    """
+
+    saved: int
+    layer: int
+    loss_forward: int
+    loss_backward: int
+
+
+def activation_estimate(arch: Architecture, settings: PlanSettings) -> ActivationEstimate:
+    """Estimate the activations of one micro-batch of B x T tokens, in bytes.
+
+    Per layer: ``B T (norms H + query Q + key_value K + mlp I + 4 A + 8)`` with the per-precision
+    coefficients of ``_SAVED`` (Q = heads x head_dim, K = kv_heads x head_dim, A = heads; 4 A is
+    SDPA's fp32 log-sum-exp, 8 the fp32 inverse RMS of the two norms). After the layers, the final
+    norm and lm_head's input, ``B T (head H + 4)``. Under activation checkpointing (transformers'
+    non-reentrant ``gradient_checkpointing_enable``) a layer keeps only its input, ``B T H``
+    residual-stream elements, and recomputes the rest during backward.
+
+    The loss: transformers upcasts the [B, T, V] logits to fp32 and cross-entropy saves fp32
+    log-probabilities, 4 B T V bytes; the end of forward also holds the logits themselves (fp32:
+    8 B T V in all; bf16 logits plus their fp32 copy: 10 B T V), and the start of backward holds
+    the log-probs, their gradient and the logits' gradient (12 B T V). For vocab 32000 this term
+    dwarfs the layers of a small model.
+    """
+    tokens = settings.micro_batch * settings.seq_length
+    saved = _SAVED[settings.precision]
+    width = saved.norms * arch.hidden + saved.query * arch.q_dim + saved.mlp * arch.intermediate
+    per_token = width + saved.key_value * arch.kv_dim + 4 * arch.heads + 2 * 4
+    layer = tokens * per_token
+    per_layer = layer
+    if settings.activation_checkpointing:
+        per_layer = tokens * arch.hidden * _PRECISION_BYTES[settings.precision].residual
+    logits = tokens * arch.vocab
+    fp32_logits = settings.precision == "fp32"
+    return ActivationEstimate(
+        saved=arch.layers * per_layer + tokens * (arch.hidden * saved.head + 4),
+        layer=layer,
+        loss_forward=(8 if fp32_logits else 10) * logits,
+        loss_backward=12 * logits,
+    )
+
+
+def autocast_copy_bytes(arch: Architecture, settings: PlanSettings) -> tuple[int, int]:
+    """The bf16 weight copies autocast caches, in bytes: (at the end of forward, at the start of
+    backward).
+
+    Under bf16-mixed every ``nn.Linear`` weight (the layers' seven and lm_head) is cast once to
+    bf16, 2 bytes per element, and cached until autocast exits; the linears also save the copy
+    for backward. With checkpointing only lm_head's copy (outside the checkpointed layers) is
+    still saved when backward starts. Zero for fp32 and bf16.
+    """
+    if settings.precision != "bf16-mixed":
+        return 0, 0
+    lm_head = 2 * arch.vocab * arch.hidden
+    every = 2 * arch.layers * arch.layer_linear_parameters() + lm_head
+    return every, lm_head if settings.activation_checkpointing else every
+
+
+def zero_shard(parameters: int, world_size: int, sizes: Sequence[int] | None = None) -> int:
+    """Parameters whose AdamW state the busiest rank holds under ZeroRedundancyOptimizer.
+
+    With ``sizes`` (element counts of the parameter tensors): ZeroRedundancyOptimizer's greedy
+    partition, largest tensor first onto the rank with the fewest elements so far (one parameter
+    group assumed). Without: an even split, ``ceil(parameters / world_size)``.
+    """
+    if not sizes:
+        return math.ceil(parameters / world_size)
+    loads = [0] * world_size
+    for size in sorted(sizes, reverse=True):
+        rank = loads.index(min(loads))
+        loads[rank] += size
+    return max(loads)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank memory of one training setup, in bytes, and the model FLOPs per token.
+
+    ``activations`` is the peak for one micro-batch (saved tensors plus the loss's logits at the
+    start of backward); ``phases`` maps each moment of a step to its total, and ``total`` is the
+    largest. ``headroom`` is device memory minus total (negative when it does not fit).
+    """
+
+    settings: PlanSettings
+    parameters: int
+    weights: int
+    gradients: int
+    ddp_buckets: int
+    optimizer_state: int
+    optimizer_step_temporaries: int
+    autocast_weight_copies: int
+    activations: int
+    overhead: int
+    flops_per_token: float
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """Peak bytes per rank: the largest phase."""
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        """The moment of the step at which the peak occurs."""
+        return max(self.phases, key=lambda name: self.phases[name])
+
+    @property
+    def upper_bound(self) -> int:
+        """Every row added up, bytes: what a plan that ignored the timing would claim."""
+        rows = (self.weights, self.gradients, self.ddp_buckets, self.optimizer_state)
+        rows += (self.optimizer_step_temporaries, self.autocast_weight_copies)
+        return sum(rows) + self.activations + self.overhead
+
+    @property
+    def device_memory(self) -> int:
+        """The device's memory in bytes."""
+        return int(self.settings.device_memory_gib * GIB)
+
+    @property
+    def headroom(self) -> int:
+        """Device memory minus the peak, bytes (negative: short by that much)."""
+        return self.device_memory - self.total
+
+    @property
+    def fits(self) -> bool:
+        """Whether the peak fits in device memory."""
+        return self.headroom >= 0
+
+    def verdict(self) -> str:
+        """``fits, 12.3 GiB headroom`` or ``does not fit, 4.5 GiB short``."""
+        if self.fits:
+            return f"fits, {self.headroom / GIB:.1f} GiB headroom"
+        return f"does not fit, {-self.headroom / GIB:.1f} GiB short"
+
+    def table(self) -> str:
+        """The plan as a Markdown table in GiB per rank, with the verdict."""
+        cap = self.settings.ddp_bucket_cap_mb
+        buckets = math.ceil(self.ddp_buckets / (cap * MIB))
+        rows = [
+            ("weights", self.weights),
+            ("gradients", self.gradients),
+            (f"DDP buckets (about {buckets} of {cap:g} MiB)", self.ddp_buckets),
+            ("optimizer state (AdamW moments)", self.optimizer_state),
+            ("optimizer step temporaries (foreach AdamW)", self.optimizer_step_temporaries),
+            ("activations (per micro-batch, with the loss)", self.activations),
+            ("autocast bf16 weight copies", self.autocast_weight_copies),
+            ("overhead (CUDA context, NCCL / process baseline)", self.overhead),
+        ]
+        lines = [f"| {self.settings.describe()} | GiB per rank |", "|---|---:|"]
+        lines += [f"| {name} | {size / GIB:.2f} |" for name, size in rows]
+        lines += [
+            f"| **total (peak, at {self.peak_phase})** | **{self.total / GIB:.2f}** |",
+            f"| sum of all rows (upper bound) | {self.upper_bound / GIB:.2f} |",
+            f"| device memory | {self.device_memory / GIB:.2f} |",
+            f"| verdict | {self.verdict()} |",
+        ]
+        return "\n".join(lines)
+
+
+def plan_memory(
+    config: PretrainedConfig,
+    parameters: int,
+    settings: PlanSettings,
+    parameter_sizes: Sequence[int] | None = None,
+) -> MemoryPlan:
+    """The per-rank memory plan of DDP training with torch's foreach AdamW, in bytes.
+
+    Per parameter (N = ``parameters``): weights 4 B (fp32, bf16-mixed) or 2 B (bf16); gradients
+    the same; DDP's bucket copy the same again (DDP keeps a flat copy of the gradients for the
+    all-reduce unless ``gradient_as_bucket_view=True``, when the gradients are views into the
+    buckets and stay allocated between steps); AdamW's exp_avg and exp_avg_sq 2 x 4 B (2 x 2 B in
+    bf16, where torch keeps them in the parameters' dtype), on ceil(N / world_size) parameters
+    under zero1 (the busiest rank of ZeroRedundancyOptimizer's partition when ``parameter_sizes``
+    is given); foreach AdamW's ``step()`` allocates one more moment-sized buffer (the square root
+    of exp_avg_sq) over the rank's parameters. So fp32 DDP holds 20 B per parameter before
+    activations (LLaMA-2-7B: 125.5 GiB), and peaks at 24 B in the optimizer step.
+
+    The phases, with P = weights + buckets + optimizer state + overhead: end of forward = P +
+    saved activations + forward logits + autocast copies; start of backward = P + saved
+    activations + backward logits (+ copies still saved); end of backward = P + gradients + one
+    layer's activations; optimizer step = P + gradients + step temporaries. Gradients join the
+    first two when accumulation keeps them or they are bucket views. Raises UserError when the
+    config is not a decoder config or ``seq_length`` exceeds its positions.
+    """
+    arch = architecture(config)
+    if arch.max_positions and settings.seq_length > arch.max_positions:
+        raise UserError(
+            f"seq_length {settings.seq_length} exceeds the model's {arch.max_positions} "
+            "positions; plan a shorter sequence"
+        )
+    size = _PRECISION_BYTES[settings.precision]
+    shard = parameters
+    if settings.zero1:
+        shard = zero_shard(parameters, settings.world_size, parameter_sizes)
+    gradients = parameters * size.grad
+    activations = activation_estimate(arch, settings)
+    copies_forward, copies_backward = autocast_copy_bytes(arch, settings)
+    plan = MemoryPlan(
+        settings=settings,
+        parameters=parameters,
+        weights=parameters * size.weight,
+        gradients=gradients,
+        ddp_buckets=0 if settings.gradient_as_bucket_view else gradients,
+        optimizer_state=2 * size.moment * shard,
+        optimizer_step_temporaries=size.moment * shard,
+        autocast_weight_copies=copies_forward,
+        activations=activations.saved + activations.loss_backward,
+        overhead=int(settings.overhead_gib * GIB),
+        flops_per_token=model_flops_per_token(
+            parameters, arch.layers, arch.hidden, settings.seq_length
+        ),
+    )
+    return replace(plan, phases=_phases(plan, activations, copies_backward))
+
+
+def _phases(plan: MemoryPlan, act: ActivationEstimate, copies_backward: int) -> dict[str, int]:
+    """Bytes per rank at four moments of a step (see ``plan_memory``)."""
+    persistent = plan.weights + plan.ddp_buckets + plan.optimizer_state + plan.overhead
+    settings = plan.settings
+    kept = settings.accumulation_steps > 1 or settings.gradient_as_bucket_view
+    held = plan.gradients if kept else 0
+    forward = act.saved + plan.autocast_weight_copies + act.loss_forward
+    return {
+        "end of forward": persistent + held + forward,
+        "start of backward": persistent + held + act.saved + copies_backward + act.loss_backward,
+        "end of backward": persistent + plan.gradients + act.layer,
+        "optimizer step": persistent + plan.gradients + plan.optimizer_step_temporaries,
+    }
+
+
+_FLAGS: dict[str, Callable[[PlanSettings], PlanSettings | None]] = {
+    "bf16-mixed": lambda s: replace(s, precision="bf16-mixed") if s.precision == "fp32" else None,
+    "bf16": lambda s: replace(s, precision="bf16") if s.precision != "bf16" else None,
+    "zero1": lambda s: None if s.zero1 else replace(s, zero1=True),
+    "activation checkpointing": lambda s: (
+        None if s.activation_checkpointing else replace(s, activation_checkpointing=True)
+    ),
+    "gradient_as_bucket_view": lambda s: (
+        None if s.gradient_as_bucket_view else replace(s, gradient_as_bucket_view=True)
+    ),
+}
+"""Setting changes ``suggestions`` tries: each returns the changed settings, or None when the
+change does not apply (already on)."""
+
+MAX_WORLD_SIZE = 1024
+"""The largest number of ranks ``suggestions`` proposes."""
+
+
+def _variants(base: PlanSettings, names: Sequence[str]) -> list[PlanSettings]:
+    """Settings with the flags in ``names`` applied, times the micro-batches (halving to 1,
+    largest first) and world sizes (doubling up to MAX_WORLD_SIZE, smallest first) named."""
+    settings: PlanSettings | None = base
+    for name in names:
+        if name in _FLAGS and settings is not None:
+            settings = _FLAGS[name](settings)
+    if settings is None:
+        return []
+    micro = [base.micro_batch]
+    if "smaller micro-batch" in names:
+        micro = [base.micro_batch >> k for k in range(1, base.micro_batch.bit_length())]
+    worlds = [base.world_size]
+    if "more GPUs" in names:
+        worlds = [base.world_size << k for k in range(1, 11)]
+        worlds = [w for w in worlds if w <= MAX_WORLD_SIZE]
+    return [replace(settings, world_size=w, micro_batch=m) for w in worlds for m in micro]
+
+
+def _label(base: PlanSettings, names: Sequence[str], settings: PlanSettings) -> str:
+    """``bf16-mixed + zero1 + micro-batch 2 (accumulate 2x to keep tokens per step)``."""
+    parts = [name for name in names if name in _FLAGS]
+    if settings.micro_batch != base.micro_batch:
+        factor = base.micro_batch // settings.micro_batch
+        parts.append(
+            f"micro-batch {settings.micro_batch} (accumulate {factor}x to keep tokens per step)"
+        )
+    if settings.world_size != base.world_size:
+        parts.append(f"{settings.world_size} GPUs")
+    return " + ".join(parts)
+
+
+def suggestions(
+    config: PretrainedConfig,
+    parameters: int,
+    settings: PlanSettings,
+    parameter_sizes: Sequence[int] | None = None,
+) -> list[str]:
+    """Changes of settings that make a plan which does not fit, fit; [] when it already fits.
+
+    Tries every combination of bf16-mixed or bf16, zero1, activation checkpointing,
+    ``gradient_as_bucket_view``, a smaller micro-batch and more GPUs, re-planning each, and keeps
+    the minimal ones (no fitting combination is a subset of another), fewest changes first, each
+    as ``<changes>: <total> GiB of <device> GiB per rank (<headroom>)``. When nothing fits, says
+    so: DDP replicates the weights and gradients on every rank.
+    """
+    if plan_memory(config, parameters, settings, parameter_sizes).fits:
+        return []
+    options = [*_FLAGS, "smaller micro-batch", "more GPUs"]
+    found: list[tuple[frozenset[str], str]] = []
+    for count in range(1, len(options) + 1):
+        for names in itertools.combinations(options, count):
+            if any(chosen <= set(names) for chosen, _ in found):
+                continue
+            line = _first_fit(config, parameters, settings, names, parameter_sizes)
+            if line:
+                found.append((frozenset(names), line))
+    if found:
+        return [line for _, line in found]
+    return [_nothing_fits(config, parameters, settings, parameter_sizes)]
+
+
+def _first_fit(
+    config: PretrainedConfig,
+    parameters: int,
+    base: PlanSettings,
+    names: Sequence[str],
+    sizes: Sequence[int] | None,
+) -> str:
+    """The first variant of ``names`` that fits, described; "" when none does."""
+    if "bf16-mixed" in names and "bf16" in names:
+        return ""
+    for settings in _variants(base, names):
+        plan = plan_memory(config, parameters, settings, sizes)
+        if plan.fits:
+            total = f"{plan.total / GIB:.1f} GiB of {settings.device_memory_gib:g} GiB per rank"
+            return f"{_label(base, names, settings)}: {total} ({plan.verdict()})"
+    return ""
+
+
+def _nothing_fits(
+    config: PretrainedConfig, parameters: int, base: PlanSettings, sizes: Sequence[int] | None
+) -> str:
+    """Why no combination fits: the smallest plan and its replicated floor."""
+    smallest = replace(
+        base,
+        precision="bf16",
+        zero1=True,
+        activation_checkpointing=True,
+        gradient_as_bucket_view=True,
+        micro_batch=1,
+        world_size=MAX_WORLD_SIZE,
+    )
+    plan = plan_memory(config, parameters, smallest, sizes)
+    floor = (plan.weights + plan.gradients) / GIB
+    return (
+        f"no combination fits in {base.device_memory_gib:g} GiB: even bf16 + zero1 + activation "
+        f"checkpointing + gradient_as_bucket_view at micro-batch 1 on {MAX_WORLD_SIZE} GPUs "
+        f"needs {plan.total / GIB:.1f} GiB per rank, because DDP replicates the weights and "
+        f"gradients ({floor:.1f} GiB) on every rank; shard them (FSDP / ZeRO-3) or use GPUs "
+        "with more memory"
+    )
+
+
+def comparison_table(plans: Sequence[MemoryPlan]) -> str:
+    """Several plans side by side as a Markdown table, GiB per rank (for a README)."""
+    lines = [
+        "| setting | GPUs | micro-batch x seq | weights + grads + buckets | optimizer state "
+        "| activations | peak total | verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for plan in plans:
+        s = plan.settings
+        name = " + ".join(
+            [s.precision] + ["zero1"] * s.zero1 + ["checkpointing"] * s.activation_checkpointing
+        )
+        replicated = (plan.weights + plan.gradients + plan.ddp_buckets) / GIB
+        lines.append(
+            f"| {name} | {s.world_size} x {s.device_memory_gib:g} GiB "
+            f"| {s.micro_batch} x {s.seq_length} | {replicated:.1f} "
+            f"| {plan.optimizer_state / GIB:.1f} | {plan.activations / GIB:.1f} "
+            f"| {plan.total / GIB:.1f} | {plan.verdict()} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,235 @@
+"""The dry-run memory plan: parameter count on the meta device, byte arithmetic by hand,
+activations against what autograd saves, suggestions and FLOPs. No process group, no training."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.memory_plan import (
+    GIB,
+    PlanSettings,
+    activation_estimate,
+    architecture,
+    comparison_table,
+    llama2_7b_config,
+    meta_model,
+    model_flops_per_token,
+    parameter_count,
+    parameter_sizes,
+    plan_memory,
+    suggestions,
+    zero_shard,
+)
+
+N = 6_738_415_616
+"""LLaMA-2-7B's parameters."""
+L, H, FF, V, A = 32, 4096, 11008, 32000, 32
+"""Its layers, hidden size, intermediate size, vocabulary and heads."""
+TOKENS = 4 * 512
+"""One micro-batch of 4 sequences of 512 tokens."""
+ONE_GPU = PlanSettings(world_size=1, micro_batch=4, seq_length=512)
+"""fp32 on one 80 GiB GPU with 1 GiB overhead, DDP defaults."""
+
+
+@pytest.fixture(scope="module")
+def config() -> LlamaConfig:
+    return llama2_7b_config()
+
+
+def test_meta_llama2_7b_has_exact_parameter_count_and_no_storage(config: LlamaConfig) -> None:
+    model = meta_model(config)
+    assert parameter_count(model) == N
+    assert all(p.is_meta for p in model.parameters())
+    assert parameter_sizes(model) == architecture(config).parameter_sizes()
+
+
+def test_fp32_one_gpu_equals_hand_arithmetic(config: LlamaConfig) -> None:
+    plan = plan_memory(config, N, ONE_GPU)
+    assert plan.weights == 4 * N
+    assert plan.gradients == 4 * N
+    assert plan.ddp_buckets == 4 * N
+    assert plan.optimizer_state == 8 * N
+    assert plan.optimizer_step_temporaries == 4 * N
+    before_activations = plan.weights + plan.gradients + plan.ddp_buckets + plan.optimizer_state
+    assert before_activations == 20 * N
+    assert 125 * GIB < before_activations < 126 * GIB
+    layer = TOKENS * (40 * H + 16 * FF + 4 * A + 8)
+    assert plan.activations == L * layer + TOKENS * (12 * H + 4) + 12 * TOKENS * V
+    assert plan.total == 24 * N + GIB, "optimizer step: weights, grads, buckets, moments, sqrt"
+    assert plan.peak_phase == "optimizer step"
+    assert not plan.fits
+    assert plan.headroom == 80 * GIB - plan.total
+
+
+def test_zero1_over_eight_ranks_divides_optimizer_state(config: LlamaConfig) -> None:
+    plan = plan_memory(config, N, replace(ONE_GPU, world_size=8, zero1=True))
+    assert plan.optimizer_state == 8 * N // 8
+    assert plan.optimizer_step_temporaries == 4 * N // 8
+    assert (plan.weights, plan.gradients, plan.ddp_buckets) == (4 * N, 4 * N, 4 * N)
+
+
+def test_zero1_greedy_partition_follows_the_largest_tensors() -> None:
+    assert zero_shard(10, 4) == 3, "even split rounds up"
+    assert zero_shard(16, 2, [8, 3, 3, 2]) == 8, "8 | 3 + 3 + 2"
+    assert zero_shard(20, 4, [8, 6, 2, 2, 2]) == 8, "the largest tensor is not split"
+
+
+def test_bf16_halves_weights_gradients_buckets_and_moments(config: LlamaConfig) -> None:
+    plan = plan_memory(config, N, replace(ONE_GPU, precision="bf16"))
+    assert (plan.weights, plan.gradients, plan.ddp_buckets) == (2 * N, 2 * N, 2 * N)
+    assert plan.optimizer_state == 2 * 2 * N, "torch AdamW keeps moments in the param dtype"
+    layer = TOKENS * (24 * H + 8 * FF + 4 * A + 8)
+    assert plan.activations == L * layer + TOKENS * (8 * H + 4) + 12 * TOKENS * V
+    assert plan.autocast_weight_copies == 0
+
+
+def test_bf16_mixed_keeps_fp32_state_and_caches_bf16_weight_copies(config: LlamaConfig) -> None:
+    plan = plan_memory(config, N, replace(ONE_GPU, precision="bf16-mixed"))
+    assert (plan.weights, plan.gradients, plan.optimizer_state) == (4 * N, 4 * N, 8 * N)
+    linear = L * (4 * H * H + 3 * H * FF) + V * H
+    assert plan.autocast_weight_copies == 2 * linear
+    layer = TOKENS * (34 * H + 8 * FF + 4 * A + 8)
+    assert plan.activations == L * layer + TOKENS * (10 * H + 4) + 12 * TOKENS * V
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
+def test_activation_checkpointing_keeps_only_layer_inputs(
+    config: LlamaConfig, precision: str
+) -> None:
+    full = plan_memory(config, N, replace(ONE_GPU, precision=precision))
+    checkpointed = replace(ONE_GPU, precision=precision, activation_checkpointing=True)
+    plan = plan_memory(config, N, checkpointed)
+    assert plan.activations < full.activations / 5
+    residual = 2 if precision == "bf16" else 4
+    head = {"fp32": 12, "bf16-mixed": 10, "bf16": 8}[precision] * H + 4
+    assert plan.activations == TOKENS * (L * residual * H + head + 12 * V)
+
+
+def test_accumulation_and_bucket_views_keep_gradients_through_forward(
+    config: LlamaConfig,
+) -> None:
+    plain = plan_memory(config, N, ONE_GPU)
+    accumulating = plan_memory(config, N, replace(ONE_GPU, accumulation_steps=4))
+    gained = accumulating.phases["start of backward"] - plain.phases["start of backward"]
+    assert gained == 4 * N
+    views = plan_memory(config, N, replace(ONE_GPU, gradient_as_bucket_view=True))
+    assert views.ddp_buckets == 0
+    assert views.phases["optimizer step"] == plain.phases["optimizer step"] - 4 * N
+
+
+def _saved_bytes_of_one_layer(config: LlamaConfig, precision: str, batch: int, seq: int) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves in decoder layer 1 of a small
+    real model (tensors whose size is a multiple of the token count: not the weight copies)."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights and tensor.numel() % (batch * seq) == 0:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    positions = model.model.rotary_emb(hidden, torch.arange(seq)[None])
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        autocast if precision == "bf16-mixed" else nullcontext(),
+    ):
+        model.model.layers[1](hidden, position_embeddings=positions)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
+def test_layer_estimate_equals_what_autograd_saves(precision: str) -> None:
+    small = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    settings = PlanSettings(world_size=1, micro_batch=3, seq_length=40, precision=precision)
+    estimate = activation_estimate(architecture(small), settings)
+    assert estimate.layer == _saved_bytes_of_one_layer(small, precision, 3, 40)
+
+
+def test_fp32_7b_on_one_gpu_does_not_fit_and_suggestions_do(config: LlamaConfig) -> None:
+    assert not plan_memory(config, N, ONE_GPU).fits
+    advice = suggestions(config, N, ONE_GPU)
+    assert advice[0].startswith("bf16: "), advice
+    assert any(line.startswith("zero1 + 32 GPUs: ") for line in advice), advice
+    assert plan_memory(config, N, replace(ONE_GPU, precision="bf16")).fits
+    assert plan_memory(config, N, replace(ONE_GPU, zero1=True, world_size=32)).fits
+    assert not plan_memory(config, N, replace(ONE_GPU, zero1=True, world_size=16)).fits
+    assert not plan_memory(config, N, replace(ONE_GPU, precision="bf16-mixed")).fits
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 4])
+def test_sharded_bf16_with_checkpointing_fits_on_eight_80gb_gpus(
+    config: LlamaConfig, micro_batch: int
+) -> None:
+    eight = PlanSettings(world_size=8, micro_batch=micro_batch, seq_length=512, zero1=True)
+    eight = replace(eight, activation_checkpointing=True)
+    pure = plan_memory(config, N, replace(eight, precision="bf16"))
+    assert pure.fits and pure.headroom > 30 * GIB
+    mixed = replace(eight, precision="bf16-mixed")
+    assert not plan_memory(config, N, mixed).fits, "fp32 weights, grads and buckets: 75 GiB"
+    views = plan_memory(config, N, replace(mixed, gradient_as_bucket_view=True))
+    assert views.fits and views.headroom > 5 * GIB
+    assert suggestions(config, N, replace(eight, precision="bf16")) == []
+
+
+def test_nothing_fits_7b_on_24gb_cards_under_ddp(config: LlamaConfig) -> None:
+    cards = PlanSettings(world_size=8, micro_batch=1, seq_length=512, device_memory_gib=24)
+    advice = suggestions(config, N, cards)
+    assert len(advice) == 1
+    assert advice[0].startswith("no combination fits in 24 GiB")
+
+
+def test_flops_per_token_of_7b_at_512(config: LlamaConfig) -> None:
+    expected = 6 * N + 12 * 32 * 4096 * 512
+    assert model_flops_per_token(N, 32, 4096, 512) == expected
+    assert plan_memory(config, N, ONE_GPU).flops_per_token == expected
+
+
+def test_tables_name_every_row(config: LlamaConfig) -> None:
+    plan = plan_memory(config, N, ONE_GPU)
+    table = plan.table()
+    for row in ("weights", "gradients", "DDP buckets", "optimizer state", "activations"):
+        assert f"| {row}" in table
+    assert "overhead" in table and "total (peak, at optimizer step)" in table
+    assert "does not fit, 71.6 GiB short" in table
+    assert comparison_table([plan]).count("\n") == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"precision": "fp16"}, "precision 'fp16'"),
+        ({"micro_batch": 0}, "micro_batch must be at least 1"),
+        ({"device_memory_gib": 0.0}, "device_memory_gib"),
+    ],
+)
+def test_bad_settings_raise_user_error(change: dict[str, object], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        replace(ONE_GPU, **change)
+
+
+def test_sequence_longer_than_positions_raises(config: LlamaConfig) -> None:
+    with pytest.raises(UserError, match="exceeds the model's 4096 positions"):
+        plan_memory(config, N, replace(ONE_GPU, seq_length=8192))
+    with pytest.raises(UserError, match="LLaMA-style decoder config"):
+        plan_memory(LlamaConfig(hidden_size=0), N, ONE_GPU)
