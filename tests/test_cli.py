@@ -91,3 +91,14 @@ def test_print_config_round_trips_through_config(
     printed = capsys.readouterr().out
     (tmp_path / "printed.toml").write_text(printed)
     assert parse_config(["--config", str(tmp_path / "printed.toml")]) == parse_config(argv)
+
+
+def test_dry_run_plans_llama2_7b_offline(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(train, "load_dotenv", lambda: None)
+    assert train.main(["--dry-run", "--device-memory-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "6,738,415,616 parameters" in out
+    assert "| weights | 25.10 |" in out and "does not fit" in out

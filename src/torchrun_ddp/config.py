@@ -129,6 +129,14 @@ class TrainConfig:
     tensorboard: bool = _opt(
         False, "Also write TensorBoard event files to <output-dir>/tensorboard."
     )
+    dry_run: bool = _opt(
+        False,
+        "Build the model on the meta device (no weights), print the per-rank memory and FLOP "
+        "plan for these settings and the world size, and exit without training.",
+    )
+    device_memory_gib: float = _opt(
+        0.0, "Device memory per rank in GiB for the plan; 0: the visible GPU's, else 80."
+    )
     verbose: bool = _opt(False, "Debug logging, and library logs (transformers, datasets) at info.")
 
 
@@ -211,6 +219,7 @@ _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "tim
 _POSITIVE += ("keep_checkpoints", "compression_topk", "powersgd_rank")
 _NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_lr")
 _NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every", "compression_start_step")
+_NON_NEGATIVE += ("device_memory_gib",)
 
 
 def validate(config: TrainConfig) -> None:

@@ -57,6 +57,14 @@ from torchrun_ddp.distributed import (
     shutdown_distributed,
 )
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.memory_plan import (
+    PlanSettings,
+    llama2_7b_config,
+    meta_model,
+    parameter_sizes,
+    plan_memory,
+    suggestions,
+)
 from torchrun_ddp.metrics import (
     MetricsLogger,
     Record,
@@ -162,9 +170,54 @@ def prepare_inputs(config: TrainConfig) -> Inputs:
     )
 
 
+def dry_run(config: TrainConfig, env: DistEnv) -> str:
+    """The memory and FLOP plan of this run, as text; nothing is allocated or downloaded.
+
+    LLaMA-2-7B's architecture comes from the facts the package carries (no hub access or token
+    needed); other models' configs are loaded as usual. The plan is for what the trainer does
+    today: fp32 weights, gradients and AdamW state under DDP.
+    """
+    if config.model == "meta-llama/Llama-2-7b-hf":
+        model_config: PretrainedConfig = llama2_7b_config()
+    else:
+        model_config = load_model_config(config.model)
+    sizes = parameter_sizes(meta_model(model_config))
+    memory = config.device_memory_gib or visible_device_gib() or 80.0
+    settings = PlanSettings(
+        world_size=env.world_size,
+        micro_batch=config.batch_size,
+        seq_length=config.seq_length,
+        device_memory_gib=memory,
+        accumulation_steps=config.accumulation_steps,
+    )
+    plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
+    lines = [
+        f"model {config.model}: {sum(sizes):,} parameters, "
+        f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
+        f"plan per rank: {settings.describe()}",
+        plan.table(),
+    ]
+    hints = suggestions(model_config, sum(sizes), settings)
+    if hints:
+        lines.append("would fit with (not yet trainer options: --precision, --zero1):")
+        lines.extend(f"  {hint}" for hint in hints)
+    return "\n".join(lines)
+
+
+def visible_device_gib() -> float:
+    """Memory of the visible GPU in GiB, or 0 without one."""
+    if not torch.cuda.is_available():
+        return 0.0
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
 def run(config: TrainConfig, env: DistEnv) -> None:
     """Train as one rank of a torchrun job (or alone), always tearing the process group down."""
     setup_logging(env.rank, config.verbose)
+    if config.dry_run:
+        if env.is_main:
+            print(dry_run(config, env))
+        return
     inputs = prepare_inputs(config)
     device = pick_device(env, config.device)
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
