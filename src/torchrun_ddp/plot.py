@@ -1,6 +1,7 @@
 """``python -m torchrun_ddp.plot OUTPUT_DIR [OUTPUT_DIR ...] [--out FILE]``: compare runs.
 
-Reads each run's ``metrics.jsonl`` and writes one PNG with four panels against step: train loss,
+Reads each run's ``metrics.jsonl``, prints a one-line summary of each (steps, last losses, median
+tokens/s and MFU) and writes one PNG with four panels against step: train loss,
 held-out loss, learning rate and tokens/s, one line per run (e.g. one per compression method).
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -49,6 +51,22 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     return out
 
 
+def summary(run_dir: Path) -> str:
+    """One line per run: steps, last train loss, last held-out loss, median tokens/s and MFU."""
+    records = read_metrics(run_dir)
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    if not train:
+        return f"{run_dir}: no training records"
+    speed = statistics.median(r["tokens_per_s"] for r in train)
+    mfu = statistics.median(r.get("mfu", 0.0) for r in train)
+    last_eval = f"{evals[-1]['eval_loss']:.4f}" if evals else "n/a"
+    return (
+        f"{run_dir}: {train[-1]['step']} steps, train loss {train[-1]['loss']:.4f}, "
+        f"eval loss {last_eval}, median {speed:.0f} tokens/s, median MFU {mfu:.2f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry; prints the PNG's path. Exit status 2 on a missing metrics file."""
     parser = argparse.ArgumentParser(prog="python -m torchrun_ddp.plot", description=__doc__)
@@ -62,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     out = args.out or args.runs[0] / "metrics.png"
+    for run in args.runs:
+        print(summary(run))
     print(plot_runs(args.runs, out))
     return 0
 
