@@ -1,0 +1,217 @@
+"""Shared pieces of the benchmark scripts: compression variants, torchrun runs, metrics, tables.
+
+Every subprocess here runs in its own session with a timeout; on timeout (or Ctrl-C) the whole
+process group (torchrun agent and its workers) is killed, so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+"""The offline C4 sample and tokenizer (``../shared/data`` from the repository root)."""
+KILL_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of a benchmark table: a compression method and its flags for ``train.py``."""
+
+    name: str
+    """Short id used by ``--methods`` (e.g. ``dct-0.125``)."""
+    label: str
+    """Method and settings as printed in the table."""
+    flags: tuple[str, ...]
+    """Extra ``train.py`` flags selecting the method."""
+
+
+def _dct(ratio: float, block: int) -> Variant:
+    """Low-pass ``dct`` sending ``ratio`` of every ``block``'s coefficients."""
+    flags = ("--compression", "dct", "--compression-ratio", str(ratio))
+    flags += ("--compression-block-size", str(block))
+    return Variant(f"dct-{ratio:g}", f"dct ratio {ratio:g}, block {block}", flags)
+
+
+def _topk(k: int, block: int) -> Variant:
+    """``dct-topk`` sending the ``k`` largest coefficients of every ``block`` (fp32 values)."""
+    flags = ("--compression", "dct-topk", "--compression-topk", str(k))
+    flags += ("--compression-block-size", str(block))
+    return Variant(f"dct-topk-{k}", f"dct-topk k {k}, block {block}, fp32 values", flags)
+
+
+def _powersgd(rank: int) -> Variant:
+    """torch's PowerSGD at approximation rank ``rank``."""
+    flags = ("--compression", "powersgd", "--powersgd-rank", str(rank))
+    return Variant(f"powersgd-{rank}", f"powersgd rank {rank}", flags)
+
+
+def all_variants(block: int = 64) -> dict[str, Variant]:
+    """Every variant the benchmarks know, by name, in table order (``block``: DCT block)."""
+    variants = [
+        Variant("none", "none (dense fp32 all-reduce)", ("--compression", "none")),
+        Variant("fp16", "fp16", ("--compression", "fp16")),
+        Variant("bf16", "bf16", ("--compression", "bf16")),
+        _powersgd(4),
+        _powersgd(16),
+        _dct(0.5, block),
+        _dct(0.125, block),
+        _dct(0.03, block),
+        _topk(8, block),
+        _topk(4, block),
+        _topk(2, block),
+    ]
+    return {variant.name: variant for variant in variants}
+
+
+def pick_variants(names: str, block: int) -> list[Variant]:
+    """The variants named in the comma-separated ``names``; raises SystemExit on an unknown one."""
+    known = all_variants(block)
+    picked = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in picked if name not in known]
+    if unknown:
+        sys.exit(f"error: unknown method {unknown[0]!r}; choose from {', '.join(known)}")
+    return [known[name] for name in picked]
+
+
+def data_args(data_dir: Path) -> list[str]:
+    """``train.py`` flags for the tokenizer, training and held-out files of the C4 sample."""
+    return [
+        "--tokenizer", str(data_dir / "tokenizer" / "mistral-7b-v0.1"),
+        "--data-files", str(data_dir / "c4" / "*train*.json.gz"),
+        "--eval-files", str(data_dir / "c4" / "*validation*.json.gz"),
+    ]  # fmt: skip
+
+
+def check_data(data_dir: Path) -> None:
+    """Exit with a one-line message if the offline data is not where it should be."""
+    if not (data_dir / "tokenizer" / "mistral-7b-v0.1").is_dir():
+        sys.exit(f"error: no tokenizer under {data_dir}; pass --data-dir (see ../shared/data)")
+
+
+def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for ``train.py`` under torchrun: offline hub, fresh rendezvous store."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return {**env, **(extra or {})}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``command`` in a new session (its own process group), output to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group of ``proc``, then SIGKILL it if still alive after a grace."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=KILL_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int | None]:
+    """Wait for every process until ``timeout_s`` from now; kill all groups if one fails or time
+    runs out. Returns the exit codes (None for a process that had to be killed)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            codes = [proc.poll() for proc in procs]
+            if all(code is not None for code in codes) or any(code for code in codes):
+                break
+            time.sleep(0.5)
+    finally:
+        codes = [proc.poll() for proc in procs]
+        for proc, code in zip(procs, codes, strict=True):
+            if code is None:
+                kill_group(proc)
+    return codes
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """The records of a ``metrics.jsonl`` (empty if the file is missing)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What one training run measured (rank 0's view)."""
+
+    step_times: list[float]
+    """Per-step wall time in seconds (one record per step with ``--log-every 1``)."""
+    comm_bytes: int
+    """Gradient bytes this rank handed to collectives in the last logged step."""
+    comm_bytes_dense: int
+    """What a dense fp32 all-reduce would have sent in that step."""
+    losses: list[float]
+    """Per-record training loss (mean over ranks), in step order."""
+    eval_loss: float
+    """The last held-out loss (nan if none was logged)."""
+
+
+def summarise(records: list[dict[str, float]]) -> RunSummary:
+    """Collect step times, bytes, losses and the last eval loss from metrics records."""
+    train = [record for record in records if "loss" in record]
+    evals = [record for record in records if "eval_loss" in record]
+    last = train[-1] if train else {}
+    return RunSummary(
+        step_times=[float(record["step_time_s"]) for record in train],
+        comm_bytes=int(last.get("comm_bytes", 0)),
+        comm_bytes_dense=int(last.get("comm_bytes_dense", 0)),
+        losses=[float(record["loss"]) for record in train],
+        eval_loss=float(evals[-1]["eval_loss"]) if evals else float("nan"),
+    )
+
+
+def median_after(values: list[float], skip: int) -> float:
+    """Median of ``values`` without the first ``skip`` (warm-up); nan when nothing is left."""
+    kept = values[skip:]
+    return statistics.median(kept) if kept else float("nan")
+
+
+def human_bytes(count: float) -> str:
+    """Bytes in MB (10^6) with three significant digits, or kB below 1 MB."""
+    if count >= 1e6:
+        return f"{count / 1e6:.3g} MB"
+    return f"{count / 1e3:.3g} kB"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub Markdown table; numeric-looking columns are right-aligned."""
+    align = ["---:" if _numeric(rows, column) else "---" for column in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _numeric(rows: list[list[str]], column: int) -> bool:
+    """Whether every cell of ``column`` starts with a number (``-`` cells are ignored)."""
+    cells = [row[column].split(" ")[0].lstrip("+-").rstrip("%x") for row in rows]
+    return bool(cells) and all(cell.replace(".", "", 1).isdigit() for cell in cells if cell != "-")
