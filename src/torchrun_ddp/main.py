@@ -61,6 +61,7 @@ from torchrun_ddp.memory_plan import (
     PlanSettings,
     llama2_7b_config,
     meta_model,
+    model_flops_per_token,
     parameter_sizes,
     plan_memory,
     suggestions,
@@ -71,7 +72,6 @@ from torchrun_ddp.metrics import (
     build_metrics,
     device_peak_flops,
     drop_records_after,
-    model_flops_per_token,
     peak_memory_bytes,
 )
 from torchrun_ddp.model import (
@@ -274,7 +274,7 @@ def build_trainer(
 
 
 def flops_per_token(model: torch.nn.Module, config: PretrainedConfig, seq_length: int) -> float:
-    """Training FLOPs per token at ``seq_length`` (see ``metrics.model_flops_per_token``)."""
+    """Training FLOPs per token at ``seq_length`` (see ``memory_plan.model_flops_per_token``)."""
     layers = int(getattr(config, "num_hidden_layers", 0))
     hidden = int(getattr(config, "hidden_size", 0))
     return model_flops_per_token(parameter_count(model), layers, hidden, seq_length)

@@ -143,12 +143,6 @@ GPU_PEAK_FLOPS = {
 """Dense bf16/fp16 tensor-core peak FLOP/s per GPU, from the vendors' data sheets (SXM parts)."""
 
 
-def model_flops_per_token(parameters: int, layers: int, hidden: int, seq_length: int) -> float:
-    """Training FLOPs per token: ``6 N + 12 L H T`` (forward and backward; the second term is
-    attention over T positions). Kaplan et al. 2020, and Chowdhery et al. 2022 (PaLM), App. B."""
-    return 6.0 * parameters + 12.0 * layers * hidden * seq_length
-
-
 def measure_cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
     """This process's fp32 matmul rate in FLOP/s, measured on ``size`` x ``size`` matrices with
     the current ``torch.get_num_threads()``: the CPU's practical peak for MFU."""
