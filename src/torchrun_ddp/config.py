@@ -46,8 +46,22 @@ class TrainConfig:
         "from the model's config and initialise it from --seed.",
         choices=["pretrained", "random"],
     )
-    model_dtype: str = _opt(
-        "float32", "dtype of the model weights.", choices=["float32", "bfloat16", "float16"]
+    precision: str = _opt(
+        "fp32",
+        "fp32: everything in float32. bf16-mixed: float32 weights, gradients and AdamW state, "
+        "forward and backward under torch.autocast(bfloat16) on CPU and CUDA. bf16: bfloat16 "
+        "weights, gradients and AdamW moments (half the memory; small updates can round away).",
+        choices=["fp32", "bf16-mixed", "bf16"],
+    )
+    activation_checkpointing: bool = _opt(
+        False,
+        "Recompute each decoder layer's activations in backward (transformers' gradient "
+        "checkpointing, non-reentrant, DDP-safe): less memory, about a third more compute.",
+    )
+    compile: bool = _opt(
+        False,
+        "torch.compile the model (inductor) before DDP wraps it; falls back to eager with a "
+        "warning where compilation fails. Checkpoints stay loadable without compile.",
     )
     tokenizer: str = _opt("", "Tokenizer hub id or folder; empty means the same as --model.")
     # Data
@@ -72,6 +86,12 @@ class TrainConfig:
     )
     restart_mult: int = _opt(1, "Factor by which each cosine cycle is longer than the last.")
     min_lr: float = _opt(0.0, "Learning rate at the bottom of each cosine cycle.")
+    adamw_implementation: str = _opt(
+        "fused",
+        "AdamW kernel: fused (one kernel, fastest on CPU and CUDA), foreach (multi-tensor) or "
+        "for-loop (torch's reference); all compute the same update.",
+        choices=["fused", "foreach", "for-loop"],
+    )
     max_grad_norm: float = _opt(1.0, "Gradient clipping threshold (global L2 norm).")
     epochs: int = _opt(1, "Passes over the training data.")
     max_steps: int = _opt(-1, "Stop after this many optimizer steps; -1 means end of data.")
@@ -107,6 +127,19 @@ class TrainConfig:
         0, "Optimizer steps of plain dense all-reduce before compression starts."
     )
     powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank gradient approximation.")
+    zero1: bool = _opt(
+        False,
+        "Shard AdamW's state across the data-parallel ranks (ZeRO stage 1, torch's "
+        "ZeroRedundancyOptimizer); each rank checkpoints its own shard.",
+    )
+    ddp_bucket_cap_mb: float = _opt(
+        25.0, "DDP gradient bucket size in MiB (all-reduce starts as each bucket fills)."
+    )
+    gradient_as_bucket_view: bool = _opt(
+        True,
+        "Gradients are views into DDP's buckets (saves one gradient-sized copy); "
+        "--no-gradient-as-bucket-view keeps separate copies.",
+    )
     # Checkpoints and resume
     checkpoint_dir: str = _opt(
         "",
@@ -216,7 +249,7 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 _POSITIVE = ("seq_length", "batch_size", "accumulation_steps", "learning_rate", "epochs")
 _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "timeout_s")
-_POSITIVE += ("keep_checkpoints", "compression_topk", "powersgd_rank")
+_POSITIVE += ("keep_checkpoints", "compression_topk", "powersgd_rank", "ddp_bucket_cap_mb")
 _NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_lr")
 _NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every", "compression_start_step")
 _NON_NEGATIVE += ("device_memory_gib",)

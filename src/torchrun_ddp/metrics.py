@@ -143,10 +143,12 @@ GPU_PEAK_FLOPS = {
 """Dense bf16/fp16 tensor-core peak FLOP/s per GPU, from the vendors' data sheets (SXM parts)."""
 
 
-def measure_cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
-    """This process's fp32 matmul rate in FLOP/s, measured on ``size`` x ``size`` matrices with
+def measure_cpu_peak_flops(
+    size: int = 1024, repeats: int = 8, dtype: torch.dtype = torch.float32
+) -> float:
+    """This process's matmul rate in FLOP/s on ``size`` x ``size`` matrices of ``dtype``, with
     the current ``torch.get_num_threads()``: the CPU's practical peak for MFU."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b  # warm-up
     start = time.perf_counter()
     for _ in range(repeats):
@@ -154,14 +156,17 @@ def measure_cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
     return 2.0 * size**3 * repeats / (time.perf_counter() - start)
 
 
-def device_peak_flops(device: torch.device) -> tuple[float, str]:
-    """Peak FLOP/s of one rank's device, and where the figure comes from.
+def device_peak_flops(
+    device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[float, str]:
+    """Peak FLOP/s of one rank's device for matmuls in ``dtype``, and where the figure comes from.
 
-    CUDA: the table above by device name (0 if unknown, so MFU is not reported); CPU: a short
-    fp32 matmul measurement.
+    CUDA: the bf16 data-sheet table above by device name (0 if unknown, so MFU is not reported);
+    CPU: a short matmul measurement in ``dtype`` (bf16 for bf16-mixed and bf16 runs).
     """
     if device.type != "cuda":
-        return measure_cpu_peak_flops(), "measured fp32 matmul on this CPU"
+        name = str(dtype).removeprefix("torch.")
+        return measure_cpu_peak_flops(dtype=dtype), f"measured {name} matmul on this CPU"
     name = torch.cuda.get_device_name(device)
     for key, peak in GPU_PEAK_FLOPS.items():
         if key in name:

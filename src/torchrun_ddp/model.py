@@ -6,7 +6,9 @@ Uses transformers' ``LlamaForCausalLM`` (Touvron et al. 2023, "Llama 2"); any ca
 
 from __future__ import annotations
 
+import logging
 import os
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -18,7 +20,11 @@ from torchrun_ddp.errors import UserError
 GATED_ORGS = ("meta-llama/",)
 """Hub organisations whose models need an accepted licence and HF_TOKEN."""
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.float32, "bf16": torch.bfloat16}
+"""Weight dtype of each ``--precision``: bf16-mixed keeps float32 weights (autocast computes in
+bfloat16), bf16 stores the weights themselves in bfloat16."""
+
+log = logging.getLogger("torchrun_ddp")
 
 
 def _is_local(name: str) -> bool:
@@ -64,15 +70,16 @@ def max_positions(config: PretrainedConfig) -> int:
 
 
 def build_model(
-    name: str, config: PretrainedConfig, init: str, dtype: str, seed: int, device: torch.device
+    name: str, config: PretrainedConfig, init: str, precision: str, seed: int, device: torch.device
 ) -> PreTrainedModel:
-    """The causal LM on ``device`` in ``dtype``, ``use_cache=False`` for training.
+    """The causal LM on ``device`` with weights in ``PRECISION_DTYPES[precision]``,
+    ``use_cache=False`` for training.
 
     ``init="pretrained"`` loads weights with ``from_pretrained`` (HF_TOKEN is read from the
     environment by huggingface_hub); ``init="random"`` builds the architecture from ``config``
     after ``torch.manual_seed(seed)``, so every rank starts from the same weights.
     """
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = PRECISION_DTYPES[precision]
     if init == "pretrained":
         try:
             model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch_dtype)
@@ -85,15 +92,67 @@ def build_model(
     return model.to(device)
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute every decoder layer's activations during backward instead of keeping them.
+
+    Uses transformers' ``activation_checkpointing_enable`` with torch's non-reentrant checkpoint
+    (``use_reentrant=False``): it works under DDP with ``no_sync`` and comm hooks, without
+    ``static_graph`` and without "marked ready twice" errors, because each parameter's gradient
+    hook fires once per backward (https://pytorch.org/docs/stable/checkpoint.html).
+    """
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def wrap_ddp(
+    model: torch.nn.Module,
+    device: torch.device,
+    bucket_cap_mb: float = 25.0,
+    gradient_as_bucket_view: bool = True,
+) -> DistributedDataParallel:
     """Wrap ``model`` in DDP: ``device_ids=[index]`` on CUDA, none on CPU.
 
     DDP broadcasts rank 0's parameters and buffers at construction, then all-reduces (averages)
-    gradients bucket by bucket during backward
+    gradients bucket by bucket (``bucket_cap_mb`` MiB each) during backward, overlapping the
+    communication with the rest of backward. ``gradient_as_bucket_view`` makes ``param.grad`` a
+    view into its bucket, saving one gradient-sized copy
     (https://pytorch.org/docs/stable/notes/ddp.html).
     """
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
+
+
+def compile_model(model: torch.nn.Module) -> bool:
+    """``model.compile()`` in place (torch.compile, inductor); returns whether it is compiled.
+
+    Compiling in place keeps the module and its ``state_dict`` keys unchanged (no ``_orig_mod.``
+    prefix), so checkpoints and ``save_pretrained`` are the same with and without compile. Call it
+    on the DDP module: dynamo's DDPOptimizer then splits the graph at bucket boundaries so the
+    all-reduces still overlap backward (https://pytorch.org/docs/stable/notes/ddp.html). Where
+    dynamo cannot run, or a graph fails to compile, it warns and runs that code eagerly
+    (``torch._dynamo.config.suppress_errors``).
+    """
+    if not torch._dynamo.is_dynamo_supported():
+        log.warning("--compile: torch.compile is not supported here; running eagerly")
+        return False
+    torch._dynamo.config.suppress_errors = True
+    model.compile()
+    return True
+
+
+def autocast_context(precision: str, device: torch.device) -> AbstractContextManager[object]:
+    """``torch.autocast(device.type, dtype=torch.bfloat16)`` for bf16-mixed, else a no-op.
+
+    Under autocast, matrix multiplies run in bfloat16 while weights, gradients and the optimizer
+    stay float32; reductions such as the loss's log-softmax stay float32
+    (https://pytorch.org/docs/stable/amp.html). Works on CPU and CUDA alike.
+    """
+    enabled = precision == "bf16-mixed"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

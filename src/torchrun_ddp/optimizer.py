@@ -7,6 +7,7 @@ warm restarts: Loshchilov & Hutter 2017, "SGDR". Both come from ``torch.optim``.
 from __future__ import annotations
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import AdamW, Optimizer
 from torch.optim.lr_scheduler import (
     CosineAnnealingWarmRestarts,
@@ -29,9 +30,40 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     ]
 
 
-def build_optimizer(model: torch.nn.Module, learning_rate: float, weight_decay: float) -> AdamW:
-    """torch's AdamW over ``parameter_groups``; ``foreach`` on CPU and CUDA alike."""
-    return AdamW(parameter_groups(model, weight_decay), lr=learning_rate, foreach=True)
+ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+"""torch's three AdamW kernels: one fused kernel over all parameters, multi-tensor (foreach)
+ops, and the reference per-parameter loop. They compute the same update."""
+
+
+def adamw_options(implementation: str) -> dict[str, bool]:
+    """AdamW's ``fused`` / ``foreach`` keyword arguments for one implementation name.
+
+    Raises ValueError for a name outside ``ADAMW_IMPLEMENTATIONS``.
+    """
+    if implementation not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(f"unknown AdamW implementation {implementation!r}")
+    return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    learning_rate: float,
+    weight_decay: float,
+    implementation: str = "fused",
+    zero1: bool = False,
+) -> Optimizer:
+    """torch's AdamW over ``parameter_groups``; fused by default (CPU and CUDA).
+
+    With ``zero1`` it is wrapped in ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO
+    stage 1, Rajbhandari et al. 2020): each rank keeps AdamW state for its partition of the
+    parameters only, steps it, and broadcasts the updated parameters. Needs an initialised
+    process group. ``param_groups`` (and so the learning-rate schedule) work as for AdamW.
+    """
+    groups = parameter_groups(model, weight_decay)
+    options = adamw_options(implementation)
+    if not zero1:
+        return AdamW(groups, lr=learning_rate, **options)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=AdamW, lr=learning_rate, **options)
 
 
 def build_scheduler(
