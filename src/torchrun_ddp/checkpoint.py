@@ -49,7 +49,13 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from torchrun_ddp.errors import UserError
@@ -83,25 +89,67 @@ class ModelAndOptimizer:
     ``module.`` prefix, optimizer state keyed by parameter name instead of position, so it loads
     into a freshly built model and optimizer (``set_state_dict``). A fresh optimizer's moments are
     created by DCP with one zero-learning-rate step, so ``load_checkpoint`` can fill them in place.
+    With ``optimizer=None`` only the model is saved (a ZeRO-1 optimizer's shards are per-rank
+    state: see ``ShardedOptimizer``).
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optimizer | None) -> None:
         self.model = model
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, object]:
         """``{"model": {name: tensor}, "optimizer": {"state": ..., "param_groups": ...}}``."""
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
         """Copy a ``state_dict`` result into the model and the optimizer."""
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state_dict["model"])
+            return
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optimizer"],
         )
+
+
+class ShardedOptimizer:
+    """This rank's shard of a ``ZeroRedundancyOptimizer`` as per-rank checkpoint state.
+
+    Each rank saves the AdamW state of the parameters it owns (``zero.optim``, the local AdamW),
+    with positions as string keys so the state is JSON + tensors; resuming needs the same world
+    size (and so the same partition), which ``load_checkpoint`` checks. ZeRO's own
+    ``param_groups`` are saved too: the scheduler sets the next step's learning rate there, and
+    ZeRO copies it to the local optimizer only when it steps.
+    """
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def state_dict(self) -> dict[str, object]:
+        """``{"state": {"<position>": {name: tensor}}, "param_groups": [...], "zero_groups":
+        [...]}`` of this rank (``zero_groups``: ZeRO's groups without their parameters)."""
+        local = self.zero.optim.state_dict()
+        state = {str(index): values for index, values in local["state"].items()}
+        outer = [
+            {k: v for k, v in group.items() if k != "params"} for group in self.zero.param_groups
+        ]
+        return {"state": state, "param_groups": local["param_groups"], "zero_groups": outer}
+
+    def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
+        """Restore what ``state_dict`` returned on this rank (tensors move to the parameters'
+        device inside ``Optimizer.load_state_dict``)."""
+        saved = cast(Mapping[str, Mapping[str, object]], state_dict["state"])
+        state = {int(index): values for index, values in saved.items()}
+        groups = state_dict["param_groups"]
+        self.zero.optim.load_state_dict({"state": state, "param_groups": groups})
+        outer = cast(list[Mapping[str, object]], state_dict["zero_groups"])
+        for group, saved_group in zip(self.zero.param_groups, outer, strict=True):
+            group.update(saved_group)
 
 
 def model_fingerprint(model: nn.Module) -> dict[str, str]:
