@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from datasets import IterableDataset
 from torch import Tensor
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -32,6 +33,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from torchrun_ddp.checkpoint import (
     ModelAndOptimizer,
+    ShardedOptimizer,
     Stateful,
     capture_rng_state,
     check_compatible,
@@ -75,7 +77,10 @@ from torchrun_ddp.metrics import (
     peak_memory_bytes,
 )
 from torchrun_ddp.model import (
+    autocast_context,
     build_model,
+    compile_model,
+    enable_activation_checkpointing,
     load_model_config,
     max_positions,
     parameter_count,
@@ -147,11 +152,12 @@ def compression_settings(config: TrainConfig) -> CompressionSettings:
     return settings
 
 
-def prepare_inputs(config: TrainConfig) -> Inputs:
-    """Check the model, tokenizer, data paths and compression settings; raises UserError on the
-    first problem."""
+def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
+    """Check the model, memory plan, tokenizer, data paths and compression settings; raises
+    UserError on the first problem."""
     compression_settings(config)
     model_config = load_model_config(config.model)
+    check_fits(config, model_config, env)
     limit = max_positions(model_config)
     if limit and config.seq_length > limit:
         raise UserError(
@@ -170,12 +176,28 @@ def prepare_inputs(config: TrainConfig) -> Inputs:
     )
 
 
+def plan_settings(config: TrainConfig, world_size: int, memory_gib: float) -> PlanSettings:
+    """The memory plan's view of this run's settings, on devices of ``memory_gib`` GiB."""
+    return PlanSettings(
+        world_size=world_size,
+        micro_batch=config.batch_size,
+        seq_length=config.seq_length,
+        precision=config.precision,
+        zero1=config.zero1,
+        activation_checkpointing=config.activation_checkpointing,
+        device_memory_gib=memory_gib,
+        ddp_bucket_cap_mb=config.ddp_bucket_cap_mb,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+        accumulation_steps=config.accumulation_steps,
+    )
+
+
 def dry_run(config: TrainConfig, env: DistEnv) -> str:
     """The memory and FLOP plan of this run, as text; nothing is allocated or downloaded.
 
     LLaMA-2-7B's architecture comes from the facts the package carries (no hub access or token
-    needed); other models' configs are loaded as usual. The plan is for what the trainer does
-    today: fp32 weights, gradients and AdamW state under DDP.
+    needed); other models' configs are loaded as usual. Device memory is --device-memory-gib,
+    else the visible GPU's, else 80 GiB.
     """
     if config.model == "meta-llama/Llama-2-7b-hf":
         model_config: PretrainedConfig = llama2_7b_config()
@@ -183,13 +205,7 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
         model_config = load_model_config(config.model)
     sizes = parameter_sizes(meta_model(model_config))
     memory = config.device_memory_gib or visible_device_gib() or 80.0
-    settings = PlanSettings(
-        world_size=env.world_size,
-        micro_batch=config.batch_size,
-        seq_length=config.seq_length,
-        device_memory_gib=memory,
-        accumulation_steps=config.accumulation_steps,
-    )
+    settings = plan_settings(config, env.world_size, memory)
     plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
     lines = [
         f"model {config.model}: {sum(sizes):,} parameters, "
@@ -199,9 +215,32 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     ]
     hints = suggestions(model_config, sum(sizes), settings)
     if hints:
-        lines.append("would fit with (not yet trainer options: --precision, --zero1):")
+        lines.append("would fit with:")
         lines.extend(f"  {hint}" for hint in hints)
     return "\n".join(lines)
+
+
+def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv) -> None:
+    """Refuse a run whose memory plan does not fit the device, naming settings that would.
+
+    Checked when the device memory is known: --device-memory-gib, or the visible GPU when the
+    run uses CUDA. Raises UserError before any weights are loaded or any process group starts.
+    """
+    uses_cuda = config.device != "cpu" and torch.cuda.is_available()
+    memory = config.device_memory_gib or (visible_device_gib() if uses_cuda else 0.0)
+    if not memory:
+        return
+    sizes = parameter_sizes(meta_model(model_config))
+    settings = plan_settings(config, env.world_size, memory)
+    plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
+    if plan.fits:
+        return
+    hints = suggestions(model_config, sum(sizes), settings)
+    fix = hints[0] if hints[0].startswith("no combination") else f"it would fit with {hints[0]}"
+    raise UserError(
+        f"the memory plan needs {plan.total / 2**30:.1f} GiB per rank but the device has "
+        f"{memory:g} GiB ({settings.describe()}); {fix} (see --dry-run)"
+    )
 
 
 def visible_device_gib() -> float:
@@ -218,7 +257,7 @@ def run(config: TrainConfig, env: DistEnv) -> None:
         if env.is_main:
             print(dry_run(config, env))
         return
-    inputs = prepare_inputs(config)
+    inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     init_distributed(env, device, config.backend, config.timeout_s)
@@ -239,16 +278,27 @@ def build_trainer(
 ) -> Trainer:
     """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
     model = build_model(
-        config.model, inputs.model_config, config.init, config.model_dtype, config.seed, device
+        config.model, inputs.model_config, config.init, config.precision, config.seed, device
     )
-    ddp_model = wrap_ddp(model, device)
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    ddp_model = wrap_ddp(model, device, config.ddp_bucket_cap_mb, config.gradient_as_bucket_view)
     compression = register_compression(ddp_model, compression_settings(config))
-    optimizer = build_optimizer(model, config.learning_rate, config.weight_decay)
+    if config.compile:
+        compile_model(ddp_model)
+    optimizer = build_optimizer(
+        model,
+        config.learning_rate,
+        config.weight_decay,
+        implementation=config.adamw_implementation,
+        zero1=config.zero1,
+    )
     scheduler = build_scheduler(
         optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
     )
     torch.manual_seed(config.seed + env.rank)
-    peak, peak_source = device_peak_flops(device)
+    compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
+    peak, peak_source = device_peak_flops(device, compute_dtype)
     flops = flops_per_token(model, inputs.model_config, config.seq_length)
     log.info(
         "world_size %d, device %s, backend %s, %.1fM parameters, %d tokens per step, "
@@ -325,18 +375,23 @@ def next_micro_batches(
     return (None if flags[0] else batches), bool(flags[1])
 
 
-def forward_backward(model: DistributedDataParallel, batches: list[torch.Tensor]) -> torch.Tensor:
+def forward_backward(
+    model: DistributedDataParallel, batches: list[torch.Tensor], precision: str = "fp32"
+) -> torch.Tensor:
     """Accumulate gradients over the micro-batches; returns the step's mean loss (detached).
 
     Each micro-batch's loss is divided by their number, so the accumulated gradient equals one
     large batch's (every window has the same token count). Gradients are all-reduced only on the
-    last micro-batch; ``no_sync`` skips communication on the others.
+    last micro-batch; ``no_sync`` skips communication on the others. The forward runs under
+    ``autocast_context(precision)`` (bf16-mixed: bfloat16 matmuls); backward runs outside it, as
+    torch's AMP recipe says.
     """
     total = torch.zeros((), device=batches[0].device)
     for index, input_ids in enumerate(batches):
         last = index == len(batches) - 1
         with nullcontext() if last else model.no_sync():
-            loss = model(input_ids=input_ids, labels=input_ids).loss / len(batches)
+            with autocast_context(precision, input_ids.device):
+                loss = model(input_ids=input_ids, labels=input_ids).loss / len(batches)
             loss.backward()
         total += loss.detach()
     return total
@@ -344,7 +399,7 @@ def forward_backward(model: DistributedDataParallel, batches: list[torch.Tensor]
 
 def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tensor, Tensor]:
     """One optimizer step over ``batches``: returns (mean loss, gradient norm before clipping)."""
-    loss = forward_backward(trainer.model, batches)
+    loss = forward_backward(trainer.model, batches, trainer.config.precision)
     params = trainer.model.parameters()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.config.max_grad_norm)
     trainer.optimizer.step()
@@ -514,7 +569,8 @@ def evaluate(trainer: Trainer) -> Record:
     totals = torch.zeros(2, device=trainer.device, dtype=torch.float64)
     for batch in trainer.eval_set:
         input_ids = batch.to(trainer.device)
-        totals[0] += model(input_ids=input_ids, labels=input_ids).loss.double()
+        with autocast_context(trainer.config.precision, trainer.device):
+            totals[0] += model(input_ids=input_ids, labels=input_ids).loss.double()
         totals[1] += 1
     dist.all_reduce(totals)
     model.train()
@@ -531,11 +587,21 @@ def checkpoint_root(config: TrainConfig) -> Path:
 
 
 def shared_state(trainer: Trainer) -> dict[str, Stateful]:
-    """State that is the same on every rank: model, optimizer, learning-rate schedule."""
+    """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it),
+    learning-rate schedule."""
+    optimizer = None if trainer.config.zero1 else trainer.optimizer
     return {
-        "train": ModelAndOptimizer(trainer.model, trainer.optimizer),
+        "train": ModelAndOptimizer(trainer.model, optimizer),
         "scheduler": trainer.scheduler,
     }
+
+
+def rank_state(trainer: Trainer) -> dict[str, Stateful]:
+    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard."""
+    state: dict[str, Stateful] = {"data": trainer.windows, "compression": trainer.compression}
+    if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
+        state["optimizer"] = ShardedOptimizer(trainer.optimizer)
+    return state
 
 
 def run_identity(trainer: Trainer) -> dict[str, object]:
@@ -545,16 +611,14 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
         "vocab_size": trainer.model.module.config.vocab_size,
         "compression": trainer.config.compression,
         "seq_length": trainer.config.seq_length,
+        "zero1": trainer.config.zero1,
     }
 
 
 def save(trainer: Trainer) -> Path:
     """Save an exact-resume checkpoint of the step just finished (collective)."""
-    per_rank = {
-        "data": trainer.windows.state_dict(),
-        "compression": trainer.compression.state_dict(),
-        "rng": capture_rng_state(),
-    }
+    per_rank = {name: obj.state_dict() for name, obj in rank_state(trainer).items()}
+    per_rank["rng"] = capture_rng_state()
     meta = {**run_identity(trainer), "config": dataclasses.asdict(trainer.config)}
     meta["tokens_seen"] = trainer.step * tokens_per_step(trainer.config, trainer.env)
     path = save_checkpoint(
@@ -583,8 +647,8 @@ def resume(trainer: Trainer) -> None:
     saved = read_meta(path)
     check_compatible(saved, {**run_identity(trainer), "world_size": trainer.env.world_size})
     per_rank = load_checkpoint(path, shared_state(trainer))
-    trainer.windows.load_state_dict(per_rank["data"])
-    trainer.compression.load_state_dict(per_rank["compression"])
+    for name, obj in rank_state(trainer).items():
+        obj.load_state_dict(per_rank[name])
     restore_rng_state(per_rank["rng"])
     trainer.step = int(saved["step"])
     if trainer.env.is_main:

@@ -176,8 +176,9 @@ class PlanSettings:
 
     ``device_memory_gib`` and ``overhead_gib`` are GiB (2**30 bytes); ``ddp_bucket_cap_mb`` is
     DDP's ``bucket_cap_mb`` (MiB). ``gradient_as_bucket_view`` is DDP's argument of that name
-    (the project uses DDP's default, False). ``accumulation_steps`` > 1 keeps the gradients of
-    earlier micro-batches alive through the next forward. Raises UserError on a bad value.
+    (the trainer turns it on by default: --gradient-as-bucket-view). ``accumulation_steps`` > 1
+    keeps the gradients of earlier micro-batches alive through the next forward. Raises UserError
+    on a bad value.
     """
 
     world_size: int
@@ -513,13 +514,15 @@ def _phases(plan: MemoryPlan, act: ActivationEstimate, copies_backward: int) -> 
 
 
 _FLAGS: dict[str, Callable[[PlanSettings], PlanSettings | None]] = {
-    "bf16-mixed": lambda s: replace(s, precision="bf16-mixed") if s.precision == "fp32" else None,
-    "bf16": lambda s: replace(s, precision="bf16") if s.precision != "bf16" else None,
-    "zero1": lambda s: None if s.zero1 else replace(s, zero1=True),
-    "activation checkpointing": lambda s: (
+    "--precision bf16-mixed": lambda s: (
+        replace(s, precision="bf16-mixed") if s.precision == "fp32" else None
+    ),
+    "--precision bf16": lambda s: replace(s, precision="bf16") if s.precision != "bf16" else None,
+    "--zero1": lambda s: None if s.zero1 else replace(s, zero1=True),
+    "--activation-checkpointing": lambda s: (
         None if s.activation_checkpointing else replace(s, activation_checkpointing=True)
     ),
-    "gradient_as_bucket_view": lambda s: (
+    "--gradient-as-bucket-view": lambda s: (
         None if s.gradient_as_bucket_view else replace(s, gradient_as_bucket_view=True)
     ),
 }
@@ -550,12 +553,14 @@ def _variants(base: PlanSettings, names: Sequence[str]) -> list[PlanSettings]:
 
 
 def _label(base: PlanSettings, names: Sequence[str], settings: PlanSettings) -> str:
-    """``bf16-mixed + zero1 + micro-batch 2 (accumulate 2x to keep tokens per step)``."""
+    """``--precision bf16-mixed + --zero1 + --batch-size 2 (accumulate 2x to keep tokens per
+    step)``: the trainer's flags."""
     parts = [name for name in names if name in _FLAGS]
     if settings.micro_batch != base.micro_batch:
         factor = base.micro_batch // settings.micro_batch
         parts.append(
-            f"micro-batch {settings.micro_batch} (accumulate {factor}x to keep tokens per step)"
+            f"--batch-size {settings.micro_batch} (--accumulation-steps x{factor} keeps the "
+            "tokens per step)"
         )
     if settings.world_size != base.world_size:
         parts.append(f"{settings.world_size} GPUs")
@@ -600,7 +605,7 @@ def _first_fit(
     sizes: Sequence[int] | None,
 ) -> str:
     """The first variant of ``names`` that fits, described; "" when none does."""
-    if "bf16-mixed" in names and "bf16" in names:
+    if "--precision bf16-mixed" in names and "--precision bf16" in names:
         return ""
     for settings in _variants(base, names):
         plan = plan_memory(config, parameters, settings, sizes)
