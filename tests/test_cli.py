@@ -44,6 +44,9 @@ def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         (["--model", "/nonexistent/model"], "model path /nonexistent/model does not exist"),
         (["--learning-rate", "0"], "--learning-rate must be > 0"),
         (["--unknown-flag", "1"], "unknown option --unknown-flag"),
+        (["--device-memory-gib", "1.5"], "the memory plan needs 1.7 GiB per rank but the device"),
+        (["--device-memory-gib", "1.5"], "it would fit with --batch-size 1"),
+        (["--device-memory-gib", "0.5"], "no combination fits in 0.5 GiB"),
     ],
 )
 def test_bad_input_gives_one_line_and_saves_nothing(

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import torchrun
+from distributed_harness import REPO, subprocess_env, torchrun
 from test_end_to_end import e2e_args
 
 pytestmark = [
@@ -19,10 +21,23 @@ pytestmark = [
 
 def test_tiny_config_trains_with_nccl_and_bf16(shared_data: Path, tmp_path: Path) -> None:
     nproc = min(2, torch.cuda.device_count())
-    extra = ("--device", "cuda", "--backend", "nccl", "--model-dtype", "bfloat16")
+    extra = ("--device", "cuda", "--backend", "nccl", "--precision", "bf16-mixed")
     result = torchrun(e2e_args(shared_data, tmp_path, *extra, "--max-steps", "20"), nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert "nccl" in result.stdout + result.stderr
+
+
+def test_llama2_7b_dry_run_plans_for_the_visible_gpu() -> None:
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    command = [sys.executable, str(REPO / "train.py"), "--config", "configs/llama2_7b.toml"]
+    result = subprocess.run(
+        [*command, "--dry-run"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+        check=False,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "6,738,415,616 parameters" in result.stdout
+    assert f"x {gib:g} GiB" in result.stdout

@@ -6,7 +6,7 @@ import copy
 
 import torch
 from distributed_harness import run_distributed
-from transformers import LlamaConfig
+from tiny_models import tiny_llama_config
 
 from torchrun_ddp.compression import CompressionSettings, register_compression
 from torchrun_ddp.main import forward_backward
@@ -17,18 +17,6 @@ CPU = torch.device("cpu")
 BATCH, SEQ, VOCAB = 4, 16, 128
 
 
-def _tiny_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-
-
 def _batches(world_size: int, steps: int) -> torch.Tensor:
     """Distinct data per rank and step: [steps, world_size, BATCH, SEQ] token ids."""
     generator = torch.Generator().manual_seed(1234)
@@ -36,7 +24,7 @@ def _batches(world_size: int, steps: int) -> torch.Tensor:
 
 
 def _ddp_worker(rank: int, world_size: int, steps: int, accumulation: int) -> dict[str, object]:
-    model = build_model("tiny", _tiny_config(), "random", "float32", 0, CPU)
+    model = build_model("tiny", tiny_llama_config(VOCAB), "random", "fp32", 0, CPU)
     ddp = wrap_ddp(model, CPU)
     register_compression(ddp, CompressionSettings(method="none"))
     optimizer = build_optimizer(model, 1e-2, 0.1)
@@ -55,7 +43,7 @@ def _ddp_worker(rank: int, world_size: int, steps: int, accumulation: int) -> di
 
 def _single_process(world_size: int, steps: int) -> dict[str, object]:
     torch.manual_seed(0)
-    model = build_model("tiny", _tiny_config(), "random", "float32", 0, CPU)
+    model = build_model("tiny", tiny_llama_config(VOCAB), "random", "fp32", 0, CPU)
     reference = copy.deepcopy(model)
     optimizer = build_optimizer(reference, 1e-2, 0.1)
     data = _batches(world_size, steps)
@@ -88,7 +76,7 @@ def test_ddp_gradients_equal_single_process_on_union_batch() -> None:
     changed = any(
         not torch.equal(ranks[0]["params"][n], p)
         for n, p in build_model(
-            "tiny", _tiny_config(), "random", "float32", 0, CPU
+            "tiny", tiny_llama_config(VOCAB), "random", "fp32", 0, CPU
         ).named_parameters()
     )
     assert changed, "the optimizer steps did not change the parameters"

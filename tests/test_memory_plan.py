@@ -169,8 +169,8 @@ def test_layer_estimate_equals_what_autograd_saves(precision: str) -> None:
 def test_fp32_7b_on_one_gpu_does_not_fit_and_suggestions_do(config: LlamaConfig) -> None:
     assert not plan_memory(config, N, ONE_GPU).fits
     advice = suggestions(config, N, ONE_GPU)
-    assert advice[0].startswith("bf16: "), advice
-    assert any(line.startswith("zero1 + 32 GPUs: ") for line in advice), advice
+    assert advice[0].startswith("--precision bf16: "), advice
+    assert any(line.startswith("--zero1 + 32 GPUs: ") for line in advice), advice
     assert plan_memory(config, N, replace(ONE_GPU, precision="bf16")).fits
     assert plan_memory(config, N, replace(ONE_GPU, zero1=True, world_size=32)).fits
     assert not plan_memory(config, N, replace(ONE_GPU, zero1=True, world_size=16)).fits

@@ -66,28 +66,37 @@ def ok(result: subprocess.CompletedProcess) -> str:
     return output
 
 
+VARIANTS = {
+    "none": ("--compression", "none"),
+    "dct": ("--compression", "dct"),
+    "zero1-bf16-mixed-ac": ("--zero1", "--precision", "bf16-mixed", "--activation-checkpointing"),
+}
+"""Settings whose resume is checked: plain DDP, DCT error feedback (per-rank state), and ZeRO-1
+(per-rank optimizer shards) with autocast and activation checkpointing."""
+
+
 @pytest.fixture(scope="module")
 def straight(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted runs, one per compression method."""
+    """Uninterrupted runs, one per variant."""
     runs = {}
-    for method in ("none", "dct"):
-        output_dir = tmp_path_factory.mktemp(f"straight-{method}")
-        ok(torchrun(run_args(shared_data, output_dir, "--compression", method)))
+    for name, extra in VARIANTS.items():
+        output_dir = tmp_path_factory.mktemp(f"straight-{name}")
+        ok(torchrun(run_args(shared_data, output_dir, *extra)))
         assert sorted(losses(output_dir)) == list(range(1, STEPS + 1))
-        runs[method] = output_dir
+        runs[name] = output_dir
     return runs
 
 
-@pytest.mark.parametrize("method", ["none", "dct"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_stop_and_resume_is_exact(
-    shared_data: Path, tmp_path: Path, straight: dict[str, Path], method: str
+    shared_data: Path, tmp_path: Path, straight: dict[str, Path], variant: str
 ) -> None:
-    args = run_args(shared_data, tmp_path, "--compression", method)
+    args = run_args(shared_data, tmp_path, *VARIANTS[variant])
     ok(torchrun([*args, "--max-steps", str(STEPS // 2)]))
     assert max(losses(tmp_path)) == STEPS // 2
     output = ok(torchrun(args))
     assert f"at step {STEPS // 2}" in output and "resumed from" in output
-    assert_same_run(tmp_path, straight[method])
+    assert_same_run(tmp_path, straight[variant])
 
 
 def test_incompatible_checkpoint_is_refused(shared_data: Path, straight: dict[str, Path]) -> None:
