@@ -1,0 +1,226 @@
+"""Tokens/s, step time, MFU and scaling of the tiny LLaMA on this CPU, per training setting.
+
+Trains ``configs/tiny.toml`` on the offline C4 sample (``../shared/data``) once per setting, the
+settings interleaved round by round (``--repeats``) so slow drifts of the machine hit all of them
+alike, and prints a Markdown table: median tokens/s and step time after the warm-up steps, MFU,
+the 2-process scaling efficiency and the training loss at the last step.
+
+MFU is the model's training FLOPs per token (6N plus attention, ``memory_plan``) times tokens/s,
+over the matmul peak of the compute dtype (fp32 for fp32, bf16 for bf16-mixed) that this script
+measures at start with one thread on 2048 x 2048 matrices, times the threads in use (processes x
+threads). Scaling efficiency is a 2-process setting's tokens/s over twice the tokens/s of the
+same setting on 1 process with 1 thread. Loss parity compares each setting's loss at the last
+step with fp32's (same data, seed and steps; the one-process runs see the same tokens per step).
+
+Usage (from the repository root)::
+
+    uv run python benchmarks/throughput.py                  # the full table
+    uv run python benchmarks/throughput.py --settings 2x1-fp32,2x1-bf16-compile --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    REPO,
+    SHARED_DATA,
+    check_data,
+    data_args,
+    free_port,
+    markdown_table,
+    read_metrics,
+    start,
+    train_env,
+    wait_all,
+)
+
+from torchrun_ddp.memory_plan import meta_model, model_flops_per_token, parameter_count
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row: processes x threads per process, and the train.py flags."""
+
+    name: str
+    processes: int
+    threads: int
+    precision: str
+    compile: bool
+    compression: str
+
+    def flags(self) -> list[str]:
+        """``train.py`` flags of this setting (besides the shared ones)."""
+        flags = ["--precision", self.precision, "--threads", str(self.threads)]
+        flags += ["--compression", self.compression]
+        return [*flags, "--compile"] if self.compile else flags
+
+    @property
+    def label(self) -> str:
+        """Human-readable description for the table."""
+        parts = [f"{self.processes} proc x {self.threads} thr", self.precision]
+        parts += ["compile"] if self.compile else []
+        parts += [self.compression] if self.compression != "none" else []
+        return ", ".join(parts)
+
+
+def _setting(name: str) -> Setting:
+    """Parse ``PxT-precision[-compile][-dct]``, e.g. ``2x1-bf16-compile-dct``."""
+    shape, *rest = name.split("-")
+    processes, threads = (int(part) for part in shape.split("x"))
+    precision = {"fp32": "fp32", "bf16": "bf16-mixed"}[rest[0]]
+    return Setting(
+        name, processes, threads, precision, "compile" in rest, "dct" if "dct" in rest else "none"
+    )
+
+
+DEFAULT_SETTINGS = (
+    "2x1-fp32,1x2-fp32,1x1-fp32,2x1-bf16,2x1-bf16-compile,1x2-bf16-compile,1x1-bf16-compile,"
+    "2x1-bf16-compile-dct,2x1-fp32-compile"
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--settings", default=DEFAULT_SETTINGS, help="comma list of PxT-fp32|bf16[-compile][-dct]")
+    add("--steps", type=int, default=40, help="optimizer steps per run")
+    add("--warmup", type=int, default=10, help="first steps left out of the medians")
+    add("--seq-length", type=int, default=256, help="tokens per window")
+    add("--batch-size", type=int, default=4, help="windows per step over all ranks (per rank: /P)")
+    add("--repeats", type=int, default=1, help="rounds; every setting runs once per round")
+    add("--data-dir", type=Path, default=SHARED_DATA, help="the offline C4 sample and tokenizer")
+    add("--keep", type=Path, default=None, help="keep the run folders here")
+    return parser.parse_args(argv)
+
+
+def measure_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
+    """One thread's matmul rate in FLOP/s on ``size`` x ``size`` matrices of ``dtype``."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2.0 * size**3 * repeats / (time.perf_counter() - begin)
+
+
+def run_setting(args: argparse.Namespace, setting: Setting, run_dir: Path) -> list[dict]:
+    """Train ``setting`` once under torchrun; returns rank 0's metric records."""
+    per_rank = max(1, args.batch_size // setting.processes)
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    command += [f"--nproc_per_node={setting.processes}", "--nnodes=1", "--rdzv_backend=c10d"]
+    command += [f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(REPO / "train.py")]
+    command += ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir)]
+    command += ["--output-dir", str(run_dir), "--no-resume", "--checkpoint-every", "0"]
+    command += ["--max-steps", str(args.steps), "--log-every", "1", "--eval-every", "0"]
+    command += ["--eval-batches", "1", "--seq-length", str(args.seq_length)]
+    command += ["--batch-size", str(per_rank), *setting.flags()]
+    env = train_env({"OMP_NUM_THREADS": str(setting.threads)})
+    proc = start(command, run_dir / "train.log", env)
+    if wait_all([proc], timeout_s=1800)[0] != 0:
+        tail = (run_dir / "train.log").read_text()[-3000:]
+        raise RuntimeError(f"{setting.name} failed:\n{tail}")
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_s" in r]
+
+
+@dataclass
+class Row:
+    """Medians over repeats of one setting."""
+
+    setting: Setting
+    tokens_per_s: float
+    step_time_s: float
+    data_time_s: float
+    loss: float
+
+
+def summarise(args: argparse.Namespace, setting: Setting, runs: list[list[dict]]) -> Row:
+    """Median tokens/s, step and data time after warm-up over all runs; mean last loss."""
+    kept = [r for records in runs for r in records[args.warmup :]]
+    return Row(
+        setting,
+        statistics.median(r["tokens_per_s"] for r in kept),
+        statistics.median(r["step_time_s"] for r in kept),
+        statistics.median(r["data_time_s"] for r in kept),
+        statistics.mean(records[-1]["loss"] for records in runs),
+    )
+
+
+def tiny_flops_per_token(seq_length: int) -> float:
+    """Training FLOPs per token of configs/llama-tiny at ``seq_length`` (meta device)."""
+    config = AutoConfig.from_pretrained(REPO / "configs" / "llama-tiny" / "config.json")
+    parameters = parameter_count(meta_model(config))
+    return model_flops_per_token(
+        parameters, config.num_hidden_layers, config.hidden_size, seq_length
+    )
+
+
+def render(rows: list[Row], peaks: dict[str, float], seq_length: int) -> str:
+    """The Markdown table."""
+    flops = tiny_flops_per_token(seq_length)
+    single = {(r.setting.precision, r.setting.compile): r for r in rows if r.setting.threads == 1}
+    fp32 = next((r.loss for r in rows if r.setting.name == "2x1-fp32"), float("nan"))
+    header = ["setting", "tokens/s", "step s", "data s", "MFU", "scaling", "loss", "vs fp32"]
+    table = []
+    for row in rows:
+        s = row.setting
+        peak = peaks["bf16" if s.precision == "bf16-mixed" else "fp32"] * s.processes * s.threads
+        one = single.get((s.precision, s.compile))
+        ok = s.processes == 2 and one is not None and one.setting.processes == 1
+        scaling = f"{row.tokens_per_s / (2 * one.tokens_per_s):.2f}" if ok else "-"
+        table.append([
+            s.label, f"{row.tokens_per_s:,.0f}", f"{row.step_time_s:.3f}",
+            f"{row.data_time_s:.4f}", f"{flops * row.tokens_per_s / peak:.1%}", scaling,
+            f"{row.loss:.4f}", f"{(row.loss - fp32) / fp32:+.2%}",
+        ])  # fmt: skip
+    return markdown_table(header, table)
+
+
+def main(argv: list[str]) -> int:
+    """Measure the peaks, run every setting, print the table."""
+    args = parse_args(argv)
+    check_data(args.data_dir)
+    settings = [_setting(name.strip()) for name in args.settings.split(",") if name.strip()]
+    peaks = {"fp32": measure_peak(torch.float32), "bf16": measure_peak(torch.bfloat16)}
+    print(f"matmul peak, 1 thread: fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, "
+          f"bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s", flush=True)  # fmt: skip
+    work = Path(args.keep or tempfile.mkdtemp(prefix="throughput-"))
+    runs: dict[str, list[list[dict]]] = {s.name: [] for s in settings}
+    try:
+        for repeat in range(args.repeats):
+            for setting in settings:
+                records = run_setting(args, setting, work / f"{setting.name}-{repeat}")
+                runs[setting.name].append(records)
+                print(f"{setting.name}: {records[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    rows = [summarise(args, s, runs[s.name]) for s in settings]
+    print(render(rows, peaks, args.seq_length))
+    print(
+        f"\n{args.steps} steps of {args.batch_size} x {args.seq_length} tokens, medians after "
+        f"step {args.warmup}, {args.repeats} round(s); MFU against the 1-thread peaks above "
+        "times the threads in use."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
