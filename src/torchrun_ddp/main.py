@@ -189,6 +189,7 @@ def plan_settings(config: TrainConfig, world_size: int, memory_gib: float) -> Pl
         ddp_bucket_cap_mb=config.ddp_bucket_cap_mb,
         gradient_as_bucket_view=config.gradient_as_bucket_view,
         accumulation_steps=config.accumulation_steps,
+        fused_adamw=config.adamw_implementation == "fused",
     )
 
 

@@ -192,6 +192,9 @@ class PlanSettings:
     gradient_as_bucket_view: bool = False
     accumulation_steps: int = 1
     overhead_gib: float = DEFAULT_OVERHEAD_GIB
+    fused_adamw: bool = False
+    """torch's fused AdamW updates in place in one kernel: no step temporaries (foreach: one
+    moment-sized buffer)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -420,13 +423,17 @@ class MemoryPlan:
     def table(self) -> str:
         """The plan as a Markdown table in GiB per rank, with the verdict."""
         cap = self.settings.ddp_bucket_cap_mb
-        buckets = math.ceil(self.ddp_buckets / (cap * MIB))
+        buckets = math.ceil(self.gradients / (cap * MIB))
+        views = (
+            " (the gradients are views into them)" if self.settings.gradient_as_bucket_view else ""
+        )
+        kernel = "fused" if self.settings.fused_adamw else "foreach"
         rows = [
             ("weights", self.weights),
             ("gradients", self.gradients),
-            (f"DDP buckets (about {buckets} of {cap:g} MiB)", self.ddp_buckets),
+            (f"DDP buckets (about {buckets} of {cap:g} MiB{views})", self.ddp_buckets),
             ("optimizer state (AdamW moments)", self.optimizer_state),
-            ("optimizer step temporaries (foreach AdamW)", self.optimizer_step_temporaries),
+            (f"optimizer step temporaries ({kernel} AdamW)", self.optimizer_step_temporaries),
             ("activations (per micro-batch, with the loss)", self.activations),
             ("autocast bf16 weight copies", self.autocast_weight_copies),
             ("overhead (CUDA context, NCCL / process baseline)", self.overhead),
@@ -487,7 +494,7 @@ def plan_memory(
         gradients=gradients,
         ddp_buckets=0 if settings.gradient_as_bucket_view else gradients,
         optimizer_state=2 * size.moment * shard,
-        optimizer_step_temporaries=size.moment * shard,
+        optimizer_step_temporaries=0 if settings.fused_adamw else size.moment * shard,
         autocast_weight_copies=copies_forward,
         activations=activations.saved + activations.loss_backward,
         overhead=int(settings.overhead_gib * GIB),
