@@ -214,7 +214,7 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
         f"plan per rank: {settings.describe()}",
         plan.table(),
     ]
-    hints = suggestions(model_config, sum(sizes), settings)
+    hints = suggestions(model_config, sum(sizes), settings, parameter_sizes=sizes)
     if hints:
         lines.append("would fit with:")
         lines.extend(f"  {hint}" for hint in hints)
@@ -236,7 +236,7 @@ def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv
     plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
     if plan.fits:
         return
-    hints = suggestions(model_config, sum(sizes), settings)
+    hints = suggestions(model_config, sum(sizes), settings, parameter_sizes=sizes)
     fix = hints[0] if hints[0].startswith("no combination") else f"it would fit with {hints[0]}"
     raise UserError(
         f"the memory plan needs {plan.total / 2**30:.1f} GiB per rank but the device has "

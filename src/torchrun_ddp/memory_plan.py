@@ -655,9 +655,7 @@ def comparison_table(plans: Sequence[MemoryPlan]) -> str:
     ]
     for plan in plans:
         s = plan.settings
-        name = " + ".join(
-            [s.precision] + ["zero1"] * s.zero1 + ["checkpointing"] * s.activation_checkpointing
-        )
+        name = s.describe().split(",")[0]
         replicated = (plan.weights + plan.gradients + plan.ddp_buckets) / GIB
         lines.append(
             f"| {name} | {s.world_size} x {s.device_memory_gib:g} GiB "
