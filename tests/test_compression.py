@@ -99,11 +99,17 @@ EXACT_CASES = {
     "dct_full": CompressionSettings("dct", ratio=1.0, block_size=BLOCK, error_feedback=False),
     "dct_half": CompressionSettings("dct", ratio=0.5, block_size=BLOCK, error_feedback=False),
     "dct_low": CompressionSettings("dct", ratio=0.25, block_size=BLOCK, error_feedback=False),
+    "dct_bf16": CompressionSettings(
+        "dct", ratio=0.25, block_size=BLOCK, error_feedback=False, topk_value_dtype="bfloat16"
+    ),
     "topk_full": CompressionSettings(
         "dct-topk", topk=BLOCK, block_size=BLOCK, error_feedback=False
     ),
     "topk_small": CompressionSettings("dct-topk", topk=3, block_size=BLOCK, error_feedback=False),
     "dct_ef": CompressionSettings("dct", ratio=0.25, block_size=BLOCK),
+    "dct_ef_bf16": CompressionSettings(
+        "dct", ratio=0.25, block_size=BLOCK, topk_value_dtype="bfloat16"
+    ),
     "topk_ef": CompressionSettings("dct-topk", topk=2, block_size=BLOCK),
     "topk_ef_bf16": CompressionSettings(
         "dct-topk", topk=2, block_size=BLOCK, topk_value_dtype="bfloat16"
@@ -124,6 +130,9 @@ TRAIN_CASES = {
 
 RESUME_CASES = {
     "dct": CompressionSettings("dct", ratio=0.25, block_size=BLOCK),
+    "dct-bf16": CompressionSettings(
+        "dct", ratio=0.25, block_size=BLOCK, topk_value_dtype="bfloat16"
+    ),
     "dct-topk": CompressionSettings("dct-topk", topk=3, block_size=BLOCK),
     "powersgd": CompressionSettings("powersgd", powersgd_rank=2),
 }
@@ -294,7 +303,7 @@ def test_dct_equals_projection_of_exact_mean(ranks: list[Result], name: str) -> 
                 assert not torch.allclose(got, want, atol=1e-4), "projection should lose detail"
 
 
-@pytest.mark.parametrize("name", ["dct_ef", "topk_ef", "topk_ef_bf16"])
+@pytest.mark.parametrize("name", ["dct_ef", "dct_ef_bf16", "topk_ef", "topk_ef_bf16"])
 def test_error_feedback_conserves_the_gradient_sum(ranks: list[Result], name: str) -> None:
     """sum_t applied_t + mean_r e_T^r == sum_t mean_r g_t^r, with e_0 = 0.
 
@@ -312,6 +321,24 @@ def test_error_feedback_conserves_the_gradient_sum(ranks: list[Result], name: st
         residual = torch.stack(residuals).mean(0).reshape(true_sum.shape)
         torch.testing.assert_close(applied_sum + residual, true_sum, rtol=0, atol=2e-6)
         assert residual.abs().max() > 1e-4, "compression too weak for the test to mean anything"
+
+
+def test_dct_bf16_is_the_projection_up_to_rounding(ranks: list[Result]) -> None:
+    """16-bit ``dct``: bit-identical on all ranks, the low-pass projection of the exact mean up
+    to bfloat16 rounding of each rank's coefficients, and not equal to the fp32 result."""
+    kept = kept_coefficients(EXACT_CASES["dct_bf16"])
+    means = _true_means(ranks)
+    _assert_same_on_ranks(ranks, "dct_bf16")
+    fp32 = _exact(ranks, "dct_low")["grads"]
+    for step, grads in enumerate(_exact(ranks, "dct_bf16")["grads"]):
+        for got, want in zip(grads, means[step], strict=True):
+            scale = float(want.abs().max()) + 1e-12
+            torch.testing.assert_close(got, _project(want, kept), rtol=0, atol=2e-2 * scale)
+        assert any(not torch.equal(a, b) for a, b in zip(grads, fp32[step], strict=True))
+    for rank in range(WORLD):
+        sent = dct_payload_bytes(N_BLOCKS, kept, torch.bfloat16)
+        assert sent == N_BLOCKS * kept * 2
+        assert _exact(ranks, "dct_bf16", rank)["bytes"] == [(sent, DENSE_BYTES)] * EXACT_STEPS
 
 
 def test_byte_counts_match_formulas(ranks: list[Result]) -> None:

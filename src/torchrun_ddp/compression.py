@@ -17,7 +17,8 @@ module provides one hook, :func:`compression_hook`, that dispatches on
     Transform coding with the orthonormal DCT-II (Ahmed, Natarajan & Rao 1974, "Discrete Cosine
     Transform", IEEE Trans. Computers C-23): every parameter's gradient is cut into 1-D blocks of
     ``block_size`` values, each block is transformed and only its ``k`` lowest-frequency
-    coefficients are all-reduced, like the low-pass quantisation of JPEG (Wallace 1991).
+    coefficients are all-reduced, like the low-pass quantisation of JPEG (Wallace 1991). With a
+    16-bit ``topk_value_dtype`` the coefficients are rounded and all-gathered instead.
 ``dct-topk``
     Per block the ``topk`` largest-magnitude DCT coefficients are exchanged as (value, index)
     pairs with an all-gather, as in DeMo (Peng, Quesnelle & Kingma 2024, "DeMo: Decoupled
@@ -95,7 +96,7 @@ class CompressionSettings:
     powersgd_rank: int = 4
     """powersgd: rank of the low-rank approximation of every weight matrix."""
     topk_value_dtype: str = "float32"
-    """dct-topk: dtype of the values on the wire: float32, bfloat16 or float16."""
+    """dct, dct-topk: dtype of the coefficients on the wire: float32, bfloat16 or float16."""
 
 
 def validate_settings(settings: CompressionSettings) -> None:
@@ -209,9 +210,10 @@ def block_layout(
     return BlockLayout(numel, block_size, n_blocks, positions.to(device))
 
 
-def dct_payload_bytes(n_blocks: int, kept: int) -> int:
-    """Bytes ``dct`` hands to all-reduce for one bucket: fp32 coefficients, ``n_blocks * kept``."""
-    return n_blocks * kept * FP32_BYTES
+def dct_payload_bytes(n_blocks: int, kept: int, value_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes ``dct`` hands to its collective for one bucket: ``n_blocks * kept`` coefficients of
+    ``value_dtype`` (float32: all-reduce; 16-bit: this rank's part of an all-gather)."""
+    return n_blocks * kept * torch.empty(0, dtype=value_dtype).element_size()
 
 
 def topk_payload_bytes(n_blocks: int, topk: int, block_size: int, value_dtype: torch.dtype) -> int:
@@ -566,19 +568,53 @@ def _dct_hook(
     The kept set is the same on every rank and the transform is linear, so the average of the
     compressed gradients equals the compression (projection onto the kept coefficients) of the
     average gradient; with ``ratio == 1`` it is the exact mean up to fp32 rounding.
+
+    With a 16-bit ``topk_value_dtype`` each rank rounds its coefficients, keeps the rounding
+    error in its error-feedback residual and all-gathers the 16-bit values
+    (:func:`_gather_coeffs`); the result is then the projection of the mean of the rounded
+    coefficients, and half the bytes.
     """
     buffer = bucket.buffer()
     plan, grad, blocks = _prepare_blocks(state, bucket)
     layout = plan.layout
     low = dct_basis(layout.block_size, buffer.device)[: kept_coefficients(state.settings)]
     coeffs = blocks @ low.T
+    value_dtype = TOPK_VALUE_DTYPES[state.settings.topk_value_dtype]
+    if value_dtype != torch.float32:
+        coeffs = coeffs.to(value_dtype)
     if state.settings.error_feedback:
-        _keep_residual(state, bucket, plan, grad - layout.from_blocks(coeffs @ low))
+        _keep_residual(state, bucket, plan, grad - layout.from_blocks(coeffs.float() @ low))
     state.comm_bytes += coeffs.numel() * coeffs.element_size()
+    if value_dtype != torch.float32:
+        return _gather_coeffs(state, buffer, layout, low, coeffs)
     work = dist.all_reduce(coeffs, group=_group(state), async_op=True)
 
     def decode(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         mean = fut.value()[0].div_(state.world_size)
+        return buffer.copy_(layout.from_blocks(mean @ low))
+
+    return work.get_future().then(decode)
+
+
+def _gather_coeffs(
+    state: CompressionState,
+    buffer: torch.Tensor,
+    layout: BlockLayout,
+    low: torch.Tensor,
+    coeffs: torch.Tensor,
+) -> torch.futures.Future[torch.Tensor]:
+    """16-bit ``dct``: all-gather every rank's rounded coefficients [n_blocks, k] as raw bytes.
+
+    Every rank sums the gathered rows in fp32 in rank order, so all ranks get bit-identical
+    results and nothing is rounded after the rank's own cast (which error feedback carries).
+    """
+    payload = coeffs.reshape(-1).view(torch.uint8)
+    gathered = payload.new_empty(state.world_size * payload.numel())
+    work = dist.all_gather_into_tensor(gathered, payload, group=_group(state), async_op=True)
+
+    def decode(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        rows = gathered.view(state.world_size, -1).view(coeffs.dtype).float()
+        mean = rows.sum(0).div_(state.world_size).view(coeffs.shape)
         return buffer.copy_(layout.from_blocks(mean @ low))
 
     return work.get_future().then(decode)

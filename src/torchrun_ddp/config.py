@@ -117,7 +117,8 @@ class TrainConfig:
     compression_topk: int = _opt(8, "dct-topk: largest DCT coefficients sent per block.")
     compression_value_dtype: str = _opt(
         "float32",
-        "dct-topk: dtype of the values sent (indices are uint8/int16/int32 by block size).",
+        "dct, dct-topk: dtype of the DCT coefficients sent; 16-bit values are all-gathered and "
+        "their rounding error goes into error feedback (dct-topk indices: uint8/int16/int32).",
         choices=["float32", "bfloat16", "float16"],
     )
     compression_error_feedback: bool = _opt(
