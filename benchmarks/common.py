@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 """The offline C4 sample and tokenizer (``../shared/data`` from the repository root)."""
 KILL_GRACE_S = 10.0
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+"""``--compression-value-dtype`` values and their short names in variant names and labels."""
 
 
 @dataclass(frozen=True)
@@ -35,18 +37,28 @@ class Variant:
     """Extra ``train.py`` flags selecting the method."""
 
 
-def _dct(ratio: float, block: int) -> Variant:
-    """Low-pass ``dct`` sending ``ratio`` of every ``block``'s coefficients."""
+def _dct(ratio: float, block: int, values: str = "float32") -> Variant:
+    """Low-pass ``dct`` sending ``ratio`` of every ``block``'s coefficients as ``values``."""
     flags = ("--compression", "dct", "--compression-ratio", str(ratio))
     flags += ("--compression-block-size", str(block))
-    return Variant(f"dct-{ratio:g}", f"dct ratio {ratio:g}, block {block}", flags)
+    if values == "float32":
+        return Variant(f"dct-{ratio:g}", f"dct ratio {ratio:g}, block {block}", flags)
+    flags += ("--compression-value-dtype", values)
+    short = SHORT_DTYPES[values]
+    return Variant(f"dct-{ratio:g}-{short}", f"dct ratio {ratio:g}, block {block}, {short}", flags)
 
 
-def _topk(k: int, block: int) -> Variant:
-    """``dct-topk`` sending the ``k`` largest coefficients of every ``block`` (fp32 values)."""
+def _topk(k: int, block: int, values: str = "float32") -> Variant:
+    """``dct-topk`` sending the ``k`` largest coefficients of every ``block``.
+
+    ``values``: the wire dtype of the coefficients (``--compression-value-dtype``); the name gets
+    a ``-bf16`` / ``-fp16`` suffix for the 16-bit ones.
+    """
     flags = ("--compression", "dct-topk", "--compression-topk", str(k))
-    flags += ("--compression-block-size", str(block))
-    return Variant(f"dct-topk-{k}", f"dct-topk k {k}, block {block}, fp32 values", flags)
+    flags += ("--compression-block-size", str(block), "--compression-value-dtype", values)
+    short = SHORT_DTYPES[values]
+    name = f"dct-topk-{k}" + ("" if values == "float32" else f"-{short}")
+    return Variant(name, f"dct-topk k {k}, block {block}, {short} values", flags)
 
 
 def _powersgd(rank: int) -> Variant:
@@ -66,9 +78,13 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _dct(0.5, block),
         _dct(0.125, block),
         _dct(0.03, block),
+        _dct(0.25, block, "bfloat16"),
+        _dct(0.5, block, "bfloat16"),
         _topk(8, block),
         _topk(4, block),
         _topk(2, block),
+        _topk(8, block, "bfloat16"),
+        _topk(4, block, "bfloat16"),
     ]
     return {variant.name: variant for variant in variants}
 

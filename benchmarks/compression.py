@@ -14,11 +14,13 @@ Usage (from the repository root)::
 
     uv run python benchmarks/compression.py                    # the full table
     uv run python benchmarks/compression.py --methods none,dct-0.125 --steps 50
+    uv run python benchmarks/compression.py --work-dir runs --reuse   # continue after a stop
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import sys
@@ -49,12 +51,14 @@ from common import (
     wait_all,
 )
 
-DEFAULT_METHODS = "none,fp16,bf16,powersgd-4,powersgd-16,dct-0.5,dct-0.125,dct-0.03"
-DEFAULT_METHODS += ",dct-topk-8,dct-topk-2"
+DEFAULT_METHODS = "none,fp16,bf16,powersgd-4,powersgd-16,dct-0.5,dct-0.25-bf16,dct-0.125"
+DEFAULT_METHODS += ",dct-0.03,dct-topk-8-bf16,dct-topk-4,dct-topk-2"
 WARMUP_SKIP = 3
 """Steps left out of the median step time (first step, DDP bucket rebuild, PowerSGD start)."""
 LOSS_TAIL = 10
 """The final training loss is the mean over this many last steps."""
+ARGS_FILE = "train_args.json"
+"""Each run folder records its ``train.py`` arguments here (checked by ``--reuse``)."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -82,6 +86,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--work-dir", type=Path, default=None, help="run folders (default: a temporary folder)")
     add("--timeout-s", type=float, default=0.0, help="per-run limit; 0: 300 s + 20 s per step")
     add("--out", type=Path, default=None, help="also write the table to this file")
+    add(
+        "--reuse",
+        action="store_true",
+        help="reuse finished runs in --work-dir made with identical train.py arguments "
+        "(continue an interrupted benchmark)",
+    )
     return parser.parse_args(argv)
 
 
@@ -101,11 +111,28 @@ def train_args(args: argparse.Namespace, variant: Variant, output_dir: Path) -> 
     return flags
 
 
+def reusable(args: argparse.Namespace, flags: list[str], run_dir: Path) -> RunSummary | None:
+    """With ``--reuse``: the summary of a finished run in ``run_dir`` made with ``flags``."""
+    recorded = run_dir / ARGS_FILE
+    if not args.reuse or not recorded.is_file() or json.loads(recorded.read_text()) != flags:
+        return None
+    summary = summarise(read_metrics(run_dir / "metrics.jsonl"))
+    finished = len(summary.losses) == args.steps and math.isfinite(summary.eval_loss)
+    return summary if finished else None
+
+
 def run_variant(args: argparse.Namespace, variant: Variant, run_dir: Path) -> RunSummary:
     """Train ``variant`` once under torchrun; raises RuntimeError if the run fails."""
+    flags = train_args(args, variant, run_dir)
+    reused = reusable(args, flags, run_dir)
+    if reused is not None:
+        return reused
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    (run_dir / ARGS_FILE).write_text(json.dumps(flags))
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}"]
     command += ["--nnodes=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]
-    command += [str(REPO / "train.py"), *train_args(args, variant, run_dir)]
+    command += [str(REPO / "train.py"), *flags]
     timeout = args.timeout_s or 300.0 + 20.0 * args.steps
     proc = start(command, run_dir / "train.log", train_env())
     (code,) = wait_all([proc], timeout)
