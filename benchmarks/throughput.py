@@ -25,7 +25,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from common import (
 )
 
 from torchrun_ddp.memory_plan import meta_model, model_flops_per_token, parameter_count
+from torchrun_ddp.metrics import measure_cpu_peak_flops
 
 
 @dataclass(frozen=True)
@@ -111,19 +111,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def measure_peak(dtype: torch.dtype, size: int = 2048, trials: int = 5) -> float:
-    """One thread's matmul rate in FLOP/s on ``size`` x ``size`` matrices of ``dtype``: the best
-    of ``trials`` timings of 4 products each (the best is the least disturbed)."""
+def measure_peak(dtype: torch.dtype) -> float:
+    """One thread's matmul rate in FLOP/s in ``dtype`` (the trainer's own measurement, best of 5
+    timings on 2048 x 2048 matrices)."""
     torch.set_num_threads(1)
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b
-    best = 0.0
-    for _ in range(trials):
-        begin = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        best = max(best, 2.0 * size**3 * 4 / (time.perf_counter() - begin))
-    return best
+    return measure_cpu_peak_flops(size=2048, trials=5, dtype=dtype)
 
 
 def run_setting(args: argparse.Namespace, setting: Setting, run_dir: Path) -> list[dict]:
