@@ -60,6 +60,7 @@ from torchrun_ddp.distributed import (
 )
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.memory_plan import (
+    MemoryPlan,
     PlanSettings,
     llama2_7b_config,
     meta_model,
@@ -157,13 +158,13 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     UserError on the first problem."""
     compression_settings(config)
     model_config = load_model_config(config.model)
-    check_fits(config, model_config, env)
     limit = max_positions(model_config)
     if limit and config.seq_length > limit:
         raise UserError(
             f"--seq-length {config.seq_length} exceeds the model's {limit} positions; "
             f"use --seq-length {limit} or less"
         )
+    check_fits(config, model_config, env)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     train_files = resolve_files(config.data_files, "--data-files")
     eval_files = resolve_files(config.eval_files, "--eval-files")
@@ -193,6 +194,19 @@ def plan_settings(config: TrainConfig, world_size: int, memory_gib: float) -> Pl
     )
 
 
+def plan_run(
+    config: TrainConfig, model_config: PretrainedConfig, world_size: int, memory_gib: float
+) -> tuple[MemoryPlan, list[str]]:
+    """This run's per-rank memory plan (parameters counted on the meta device) and, when it does
+    not fit, the setting changes that would make it fit."""
+    sizes = parameter_sizes(meta_model(model_config))
+    settings = plan_settings(config, world_size, memory_gib)
+    plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
+    if plan.fits:
+        return plan, []
+    return plan, suggestions(model_config, sum(sizes), settings, parameter_sizes=sizes)
+
+
 def dry_run(config: TrainConfig, env: DistEnv) -> str:
     """The memory and FLOP plan of this run, as text; nothing is allocated or downloaded.
 
@@ -204,17 +218,14 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
         model_config: PretrainedConfig = llama2_7b_config()
     else:
         model_config = load_model_config(config.model)
-    sizes = parameter_sizes(meta_model(model_config))
     memory = config.device_memory_gib or visible_device_gib() or 80.0
-    settings = plan_settings(config, env.world_size, memory)
-    plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
+    plan, hints = plan_run(config, model_config, env.world_size, memory)
     lines = [
-        f"model {config.model}: {sum(sizes):,} parameters, "
+        f"model {config.model}: {plan.parameters:,} parameters, "
         f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
-        f"plan per rank: {settings.describe()}",
+        f"plan per rank: {plan.settings.describe()}",
         plan.table(),
     ]
-    hints = suggestions(model_config, sum(sizes), settings, parameter_sizes=sizes)
     if hints:
         lines.append("would fit with:")
         lines.extend(f"  {hint}" for hint in hints)
@@ -231,16 +242,13 @@ def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv
     memory = config.device_memory_gib or (visible_device_gib() if uses_cuda else 0.0)
     if not memory:
         return
-    sizes = parameter_sizes(meta_model(model_config))
-    settings = plan_settings(config, env.world_size, memory)
-    plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
+    plan, hints = plan_run(config, model_config, env.world_size, memory)
     if plan.fits:
         return
-    hints = suggestions(model_config, sum(sizes), settings, parameter_sizes=sizes)
     fix = hints[0] if hints[0].startswith("no combination") else f"it would fit with {hints[0]}"
     raise UserError(
         f"the memory plan needs {plan.total / 2**30:.1f} GiB per rank but the device has "
-        f"{memory:g} GiB ({settings.describe()}); {fix} (see --dry-run)"
+        f"{memory:g} GiB ({plan.settings.describe()}); {fix} (see --dry-run)"
     )
 
 
