@@ -60,11 +60,13 @@ class Setting:
     precision: str
     compile: bool
     compression: str
+    static_graph: bool = False
 
     def flags(self) -> list[str]:
         """``train.py`` flags of this setting (besides the shared ones)."""
         flags = ["--precision", self.precision, "--threads", str(self.threads)]
         flags += ["--compression", self.compression]
+        flags += ["--ddp-static-graph"] if self.static_graph else []
         return [*flags, "--compile"] if self.compile else flags
 
     @property
@@ -72,16 +74,18 @@ class Setting:
         """Human-readable description for the table."""
         parts = [self.precision, *(["compile"] if self.compile else [])]
         parts += [self.compression] if self.compression != "none" else []
+        parts += ["static graph"] if self.static_graph else []
         return f"{' + '.join(parts)}, {self.processes} proc x {self.threads} thr"
 
 
 def _setting(name: str) -> Setting:
-    """Parse ``PxT-precision[-compile][-dct]``, e.g. ``2x1-bf16-compile-dct``."""
+    """Parse ``PxT-precision[-compile][-dct][-static]``, e.g. ``2x1-bf16-compile-dct``."""
     shape, *rest = name.split("-")
     processes, threads = (int(part) for part in shape.split("x"))
     precision = {"fp32": "fp32", "bf16": "bf16-mixed"}[rest[0]]
+    compression = "dct" if "dct" in rest else "none"
     return Setting(
-        name, processes, threads, precision, "compile" in rest, "dct" if "dct" in rest else "none"
+        name, processes, threads, precision, "compile" in rest, compression, "static" in rest
     )
 
 
@@ -100,7 +104,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--settings", default=DEFAULT_SETTINGS, help="comma list of PxT-fp32|bf16[-compile][-dct]")
+    shapes = "PxT-fp32|bf16[-compile][-dct][-static]"
+    add("--settings", default=DEFAULT_SETTINGS, help=f"comma list of {shapes}")
     add("--steps", type=int, default=40, help="optimizer steps per run")
     add("--warmup", type=int, default=10, help="first steps left out of the medians")
     add("--seq-length", type=int, default=256, help="tokens per window")

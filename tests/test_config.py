@@ -75,6 +75,7 @@ def test_saved_config_round_trips(tmp_path: Path) -> None:
         (["--batch-sise", "2"], "did you mean --batch-size"),
         (["--batch-size", "two"], "invalid int value"),
         (["--config", "missing.toml"], "does not exist"),
+        (["--ddp-static-graph", "--accumulation-steps", "2"], "does not work with --accum"),
     ],
 )
 def test_bad_values_are_rejected(argv: list[str], message: str) -> None:

@@ -1,5 +1,5 @@
 """Memory and speed settings under DDP on real gloo ranks: ZeRO-1, bf16-mixed, activation
-checkpointing, and the AdamW kernels."""
+checkpointing, DDP's static graph, and the AdamW kernels."""
 
 from __future__ import annotations
 
@@ -25,20 +25,22 @@ def _data(world_size: int, steps: int) -> torch.Tensor:
 
 
 def _train_worker(
-    rank: int, world_size: int, steps: int, precision: str, checkpointing: bool, zero1: bool
+    rank: int, world_size: int, steps: int, precision: str, options: frozenset[str]
 ) -> dict[str, object]:
     """Train the tiny model in DDP (2 micro-batches per step, two batches per rank in turn, so
-    the loss can fall); return losses, first-step gradients and final parameters."""
+    the loss can fall; 1 micro-batch with DDP's static graph, which torch does not support with
+    ``no_sync``); return losses, first-step gradients and final parameters."""
     model = build_model("tiny", tiny_llama_config(VOCAB), "random", precision, 0, CPU)
-    if checkpointing:
+    if "ac" in options:
         enable_activation_checkpointing(model)
-    ddp = wrap_ddp(model, CPU)
+    ddp = wrap_ddp(model, CPU, static_graph="static" in options)
     register_compression(ddp, CompressionSettings(method="none"))
-    optimizer = build_optimizer(model, 1e-2, 0.1, zero1=zero1)
+    optimizer = build_optimizer(model, 1e-2, 0.1, zero1="zero1" in options)
     data = _data(world_size, 2)
     losses, grads = [], {}
     for step in range(steps):
-        losses.append(forward_backward(ddp, list(data[step % 2, rank].chunk(2)), precision))
+        micro_batches = data[step % 2, rank].chunk(1 if "static" in options else 2)
+        losses.append(forward_backward(ddp, list(micro_batches), precision))
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         optimizer.step()
@@ -48,20 +50,22 @@ def _train_worker(
 
 
 VARIANTS = {
-    "fp32": ("fp32", False, False, 10),
-    "zero1": ("fp32", False, True, 10),
-    "bf16-mixed-ac": ("bf16-mixed", True, False, 10),
-    "fp32-ac": ("fp32", True, False, 1),
-    "bf16": ("bf16", False, False, 4),
+    "fp32": ("fp32", frozenset(), 10),
+    "zero1": ("fp32", frozenset({"zero1"}), 10),
+    "static": ("fp32", frozenset({"static"}), 10),
+    "bf16-mixed-ac": ("bf16-mixed", frozenset({"ac"}), 10),
+    "fp32-ac": ("fp32", frozenset({"ac"}), 1),
+    "bf16": ("bf16", frozenset(), 4),
 }
-"""name -> (precision, activation checkpointing, zero1, steps)."""
+"""name -> (precision, options: "ac" activation checkpointing, "zero1", "static" DDP static
+graph; steps)."""
 
 
 def _variants_worker(rank: int, world_size: int) -> dict[str, dict[str, object]]:
     """Every variant on the same 2-rank group (one spawn for the whole module)."""
     return {
-        name: _train_worker(rank, world_size, steps, precision, checkpointing, zero1)
-        for name, (precision, checkpointing, zero1, steps) in VARIANTS.items()
+        name: _train_worker(rank, world_size, steps, precision, options)
+        for name, (precision, options, steps) in VARIANTS.items()
     }
 
 
@@ -89,6 +93,14 @@ def test_zero1_matches_unsharded_adamw_after_10_steps(runs: list[dict]) -> None:
     start = _initial_params()
     moved = max((sharded[0]["params"][n] - p).abs().max().item() for n, p in start.items())
     assert moved > 1e-2, "10 AdamW steps at lr 1e-2 should move the weights"
+
+
+def test_static_graph_trains_exactly_like_the_default_ddp(runs: list[dict]) -> None:
+    static = [r["static"] for r in runs]
+    _assert_close(static[0]["params"], static[1]["params"], atol=0.0)
+    # one micro-batch of 4 windows instead of two of 2: the same mean gradient up to rounding
+    _assert_close(static[0]["params"], runs[0]["fp32"]["params"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(static[0]["losses"], runs[0]["fp32"]["losses"])
 
 
 def test_bf16_mixed_with_activation_checkpointing_keeps_ranks_identical(runs: list[dict]) -> None:

@@ -141,6 +141,11 @@ class TrainConfig:
         "Gradients are views into DDP's buckets (saves one gradient-sized copy); "
         "--no-gradient-as-bucket-view keeps separate copies.",
     )
+    ddp_static_graph: bool = _opt(
+        False,
+        "Tell DDP the autograd graph is the same every step (DDP static_graph): it then skips "
+        "per-step graph checks. Valid for LLaMA training, where every parameter gets a gradient.",
+    )
     # Checkpoints and resume
     checkpoint_dir: str = _opt(
         "",
@@ -272,8 +277,18 @@ def validate(config: TrainConfig) -> None:
         raise UserError(
             f"--compression-block-size must be >= 2, got {config.compression_block_size}"
         )
+    _validate_combinations(config)
+
+
+def _validate_combinations(config: TrainConfig) -> None:
+    """Reject options that are valid alone but not together."""
     if config.min_lr > config.learning_rate:
         raise UserError("--min-lr must not exceed --learning-rate")
+    if config.ddp_static_graph and config.accumulation_steps > 1:
+        raise UserError(
+            "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "
+            "crashes under no_sync with a static graph, pytorch/pytorch#143580); drop one of them"
+        )
 
 
 def _flag(name: str) -> str:

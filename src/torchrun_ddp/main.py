@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from torchrun_ddp.checkpoint import (
     ModelAndOptimizer,
@@ -282,19 +282,33 @@ def run(config: TrainConfig, env: DistEnv) -> None:
         shutdown_distributed()
 
 
-def build_trainer(
-    config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs
-) -> Trainer:
-    """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
+def build_ddp_model(
+    config: TrainConfig, device: torch.device, inputs: Inputs
+) -> tuple[PreTrainedModel, DistributedDataParallel, CompressionState]:
+    """The model, its DDP wrapper with the compression comm hook, and the hook's state."""
     model = build_model(
         config.model, inputs.model_config, config.init, config.precision, config.seed, device
     )
     if config.activation_checkpointing:
         enable_activation_checkpointing(model)
-    ddp_model = wrap_ddp(model, device, config.ddp_bucket_cap_mb, config.gradient_as_bucket_view)
+    ddp_model = wrap_ddp(
+        model,
+        device,
+        config.ddp_bucket_cap_mb,
+        config.gradient_as_bucket_view,
+        config.ddp_static_graph,
+    )
     compression = register_compression(ddp_model, compression_settings(config))
     if config.compile:
         compile_model(ddp_model)
+    return model, ddp_model, compression
+
+
+def build_trainer(
+    config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs
+) -> Trainer:
+    """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
+    model, ddp_model, compression = build_ddp_model(config, device, inputs)
     optimizer = build_optimizer(
         model,
         config.learning_rate,

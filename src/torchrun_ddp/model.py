@@ -108,14 +108,16 @@ def wrap_ddp(
     device: torch.device,
     bucket_cap_mb: float = 25.0,
     gradient_as_bucket_view: bool = True,
+    static_graph: bool = False,
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DDP: ``device_ids=[index]`` on CUDA, none on CPU.
 
     DDP broadcasts rank 0's parameters and buffers at construction, then all-reduces (averages)
     gradients bucket by bucket (``bucket_cap_mb`` MiB each) during backward, overlapping the
     communication with the rest of backward. ``gradient_as_bucket_view`` makes ``param.grad`` a
-    view into its bucket, saving one gradient-sized copy
-    (https://pytorch.org/docs/stable/notes/ddp.html).
+    view into its bucket, saving one gradient-sized copy. ``static_graph`` declares that every
+    step uses the same parameters in the same order, so DDP can skip its per-step checks for
+    unused parameters (https://pytorch.org/docs/stable/notes/ddp.html).
     """
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(
@@ -123,6 +125,7 @@ def wrap_ddp(
         device_ids=device_ids,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=gradient_as_bucket_view,
+        static_graph=static_graph,
     )
 
 
