@@ -52,7 +52,7 @@ from common import (
 )
 
 DEFAULT_METHODS = "none,fp16,bf16,powersgd-4,powersgd-16,dct-0.5,dct-0.25-bf16,dct-0.125"
-DEFAULT_METHODS += ",dct-0.03,dct-topk-8-bf16,dct-topk-4,dct-topk-2"
+DEFAULT_METHODS += ",dct-0.03,dct-topk-8-bf16,dct-topk-2"
 WARMUP_SKIP = 3
 """Steps left out of the median step time (first step, DDP bucket rebuild, PowerSGD start)."""
 LOSS_TAIL = 10
@@ -62,14 +62,14 @@ ARGS_FILE = "train_args.json"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Command-line options; every one has a default that fits the 60-minute budget."""
+    """Command-line options (the defaults make the README table: about 75 minutes here)."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
     add("--methods", default=DEFAULT_METHODS, help=f"comma list of: {', '.join(all_variants())}")
-    add("--steps", type=int, default=150, help="optimizer steps per run")
+    add("--steps", type=int, default=400, help="optimizer steps per run")
     add("--seq-length", type=int, default=128, help="tokens per window")
     add("--batch-size", type=int, default=4, help="windows per rank per step")
     add("--learning-rate", type=float, default=3e-3, help="peak AdamW learning rate")
