@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, SHARED_DATA, check_data, markdown_table
 
-from torchrun_ddp.compression import dct_basis
+from torchrun_ddp.compression import block_layout, dct_basis
 from torchrun_ddp.model import build_model, load_model_config
 from torchrun_ddp.training_data import PackedWindows, load_tokenizer, open_documents
 
@@ -60,11 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def blocks_1d(grad: torch.Tensor) -> torch.Tensor:
-    """Flattened gradient, zero-padded, as [n_blocks, BLOCK] (as ``dct`` cuts a parameter)."""
+    """Flattened gradient, zero-padded, as [n_blocks, BLOCK] (``dct``'s own block layout)."""
     flat = grad.reshape(-1).float()
-    padded = flat.new_zeros(-(-flat.numel() // BLOCK) * BLOCK)
-    padded[: flat.numel()] = flat
-    return padded.view(-1, BLOCK)
+    return block_layout([0], flat.numel(), BLOCK).to_blocks(flat)
 
 
 def low_pass_1d(grad: torch.Tensor) -> float:
