@@ -1,8 +1,7 @@
-"""Shared pytest fixtures: paths to the offline data in ../shared/data."""
+"""Shared pytest fixtures: the C4 sample and tokenizer bundled in the repository's data/."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -11,12 +10,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SHARED_DATA = Path(os.environ.get("TORCHRUN_DDP_SHARED_DATA", REPO.parent / "shared" / "data"))
+SAMPLE_DATA = REPO / "data"
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """The offline C4 sample and tokenizer (see ../shared/data/README.md)."""
-    if not (SHARED_DATA / "c4").is_dir():
-        pytest.fail(f"offline data not found at {SHARED_DATA}; set TORCHRUN_DDP_SHARED_DATA")
-    return SHARED_DATA
+def sample_data() -> Path:
+    """The bundled offline data (``data/README.md``): ``c4/*train*.json.gz``,
+    ``c4/*validation*.json.gz`` and ``tokenizer/mistral-7b-v0.1``."""
+    if not (SAMPLE_DATA / "c4").is_dir():
+        pytest.fail(f"bundled data not found at {SAMPLE_DATA}; is this a complete checkout?")
+    return SAMPLE_DATA

@@ -66,13 +66,13 @@ def torchrun(args: list[str], nproc: int = 2, **options: object) -> subprocess.C
     )
 
 
-def tiny_args(shared_data: Path, output_dir: Path, *extra: str) -> list[str]:
+def tiny_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
     """The tiny config on the shared C4 sample, with the output folder given."""
     return [
         "--config", str(REPO / "configs" / "tiny.toml"),
-        "--tokenizer", str(shared_data / "tokenizer" / "mistral-7b-v0.1"),
-        "--data-files", str(shared_data / "c4" / "*train*.json.gz"),
-        "--eval-files", str(shared_data / "c4" / "*validation*.json.gz"),
+        "--tokenizer", str(sample_data / "tokenizer" / "mistral-7b-v0.1"),
+        "--data-files", str(sample_data / "c4" / "*train*.json.gz"),
+        "--eval-files", str(sample_data / "c4" / "*validation*.json.gz"),
         "--output-dir", str(output_dir),
         *extra,
     ]  # fmt: skip

@@ -16,13 +16,13 @@ import train  # noqa: E402
 from torchrun_ddp.config import parse_config  # noqa: E402
 
 
-def _tiny_args(shared_data: Path, tmp_path: Path) -> list[str]:
+def _tiny_args(sample_data: Path, tmp_path: Path) -> list[str]:
     return [
         "--config", str(REPO / "configs" / "tiny.toml"),
         "--model", str(REPO / "configs" / "llama-tiny" / "config.json"),
-        "--tokenizer", str(shared_data / "tokenizer" / "mistral-7b-v0.1"),
-        "--data-files", str(shared_data / "c4" / "*train*.json.gz"),
-        "--eval-files", str(shared_data / "c4" / "*validation*.json.gz"),
+        "--tokenizer", str(sample_data / "tokenizer" / "mistral-7b-v0.1"),
+        "--data-files", str(sample_data / "c4" / "*train*.json.gz"),
+        "--eval-files", str(sample_data / "c4" / "*validation*.json.gz"),
         "--output-dir", str(tmp_path / "out"),
     ]  # fmt: skip
 
@@ -51,12 +51,12 @@ def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 )
 def test_bad_input_gives_one_line_and_saves_nothing(
     capsys: pytest.CaptureFixture[str],
-    shared_data: Path,
+    sample_data: Path,
     tmp_path: Path,
     override: list[str],
     message: str,
 ) -> None:
-    err = _error_line(capsys, _tiny_args(shared_data, tmp_path) + override)
+    err = _error_line(capsys, _tiny_args(sample_data, tmp_path) + override)
     assert message in err
     assert not (tmp_path / "out").exists(), "rejected before anything is written"
 
@@ -71,11 +71,15 @@ def test_gated_model_without_token(
 
 
 def test_hub_dataset_without_network_points_to_data_files(
-    shared_data: Path, tmp_path: Path
+    sample_data: Path, tmp_path: Path
 ) -> None:
-    args = _tiny_args(shared_data, tmp_path)
+    tiny = (REPO / "configs" / "tiny.toml").read_text().splitlines()
+    hub = [line for line in tiny if not line.startswith(("data_files", "eval_files"))]
+    (tmp_path / "hub.toml").write_text("\n".join(hub) + "\n")
+    args = _tiny_args(sample_data, tmp_path)
     cut = args.index("--data-files")
     args = args[:cut] + args[cut + 4 :]  # no --data-files and no --eval-files: stream the hub
+    args[args.index("--config") + 1] = str(tmp_path / "hub.toml")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args],

@@ -48,11 +48,34 @@ def test_toml_then_flags_override(tmp_path: Path) -> None:
     file = tmp_path / "run.toml"
     file.write_text('seq_length = 64\nbatch-size = 3\ndata_files = ["a.json", "b.json"]\n')
     config = parse_config(["--config", str(file), "--batch-size", "5"])
-    assert (config.seq_length, config.batch_size, config.data_files) == (
-        64,
-        5,
-        ["a.json", "b.json"],
+    assert (config.seq_length, config.batch_size) == (64, 5)
+    assert config.data_files == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+
+
+def test_config_file_input_paths_resolve_relative_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "configs" / "tok").mkdir(parents=True)
+    file = tmp_path / "configs" / "run.toml"
+    file.write_text(
+        'tokenizer = "tok"\nmodel = "org/hub-model"\ndata_files = ["../data/*train*.json.gz"]\n'
+        'output_dir = "outputs/run"\n'
     )
+    monkeypatch.chdir(tmp_path / "configs" / "tok")  # any working directory
+    config = parse_config(["--config", str(file)])
+    assert config.tokenizer == str(tmp_path / "configs" / "tok")
+    assert config.model == "org/hub-model", "a hub id is not a path"
+    assert config.data_files == [str(tmp_path / "data" / "*train*.json.gz")]
+    assert config.output_dir == "outputs/run", "outputs stay relative to the working directory"
+
+
+def test_relative_input_flags_are_saved_as_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = parse_config(["--eval-files", "x.json", "--resume-from", "ckpt/step-5"])
+    assert config.eval_files == [str(tmp_path / "x.json")]
+    assert config.resume_from == str(tmp_path / "ckpt" / "step-5")
 
 
 def test_saved_config_round_trips(tmp_path: Path) -> None:

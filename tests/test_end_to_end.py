@@ -20,10 +20,10 @@ from torchrun_ddp import plot
 STEPS = 40
 
 
-def e2e_args(shared_data: Path, output_dir: Path, *extra: str) -> list[str]:
+def e2e_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
     """The tiny config, shortened for a test: 40 steps of 2 x 4 x 128 tokens."""
     return tiny_args(
-        shared_data, output_dir,
+        sample_data, output_dir,
         "--seq-length", "128", "--batch-size", "4", "--max-steps", str(STEPS),
         "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5",
         "--eval-every", "20", "--eval-batches", "4", "--tensorboard", *extra,
@@ -31,9 +31,9 @@ def e2e_args(shared_data: Path, output_dir: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_run(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     output_dir = tmp_path_factory.mktemp("tiny")
-    result = torchrun(e2e_args(shared_data, output_dir))
+    result = torchrun(e2e_args(sample_data, output_dir))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (output_dir / "log.txt").write_text(result.stdout + result.stderr)
     return output_dir
@@ -105,7 +105,7 @@ def test_plot_writes_a_png(tiny_run: Path, tmp_path: Path) -> None:
     assert plot.main([str(tmp_path / "missing")]) == 2
 
 
-def test_ranks_stop_together_at_the_end_of_uneven_data(shared_data: Path, tmp_path: Path) -> None:
+def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_path: Path) -> None:
     """Rank 0 gets 4 documents and rank 1 gets 3 (every other line): with --max-steps -1 both
     stop on the step where the first of them runs out, instead of waiting forever."""
     texts = [" ".join(["word"] * (40 + 10 * i)) for i in range(7)]
@@ -113,7 +113,7 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(shared_data: Path, tmp_pa
     with gzip.open(data, "wt", encoding="utf-8") as handle:
         handle.writelines(json.dumps({"text": t}) + "\n" for t in texts)
     args = tiny_args(
-        shared_data, tmp_path / "out",
+        sample_data, tmp_path / "out",
         "--data-files", str(data), "--eval-files", str(data), "--max-steps", "-1",
         "--seq-length", "16", "--batch-size", "1", "--shuffle-buffer", "0", "--log-every", "1",
         "--eval-batches", "1",
@@ -125,8 +125,8 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(shared_data: Path, tmp_pa
     assert steps and steps == list(range(1, len(steps) + 1))
 
 
-def test_without_torchrun_trains_as_one_process(shared_data: Path, tmp_path: Path) -> None:
-    args = tiny_args(shared_data, tmp_path, "--max-steps", "2", "--seq-length", "32",
+def test_without_torchrun_trains_as_one_process(sample_data: Path, tmp_path: Path) -> None:
+    args = tiny_args(sample_data, tmp_path, "--max-steps", "2", "--seq-length", "32",
                      "--batch-size", "1", "--log-every", "1", "--eval-batches", "1")  # fmt: skip
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,

@@ -19,10 +19,10 @@ pytestmark = [
 ]
 
 
-def test_tiny_config_trains_with_nccl_and_bf16(shared_data: Path, tmp_path: Path) -> None:
+def test_tiny_config_trains_with_nccl_and_bf16(sample_data: Path, tmp_path: Path) -> None:
     nproc = min(2, torch.cuda.device_count())
     extra = ("--device", "cuda", "--backend", "nccl", "--precision", "bf16-mixed")
-    result = torchrun(e2e_args(shared_data, tmp_path, *extra, "--max-steps", "20"), nproc=nproc)
+    result = torchrun(e2e_args(sample_data, tmp_path, *extra, "--max-steps", "20"), nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]

@@ -28,10 +28,10 @@ from safetensors.torch import load_file
 STEPS = 16
 
 
-def run_args(shared_data: Path, output_dir: Path, *extra: str) -> list[str]:
+def run_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
     """Short steps (2 x 2 x 64 tokens), a log line and a checkpoint every 4 steps."""
     return tiny_args(
-        shared_data, output_dir,
+        sample_data, output_dir,
         "--seq-length", "64", "--batch-size", "2", "--max-steps", str(STEPS),
         "--warmup-steps", "4", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
         "--checkpoint-every", "4", *extra,
@@ -76,12 +76,12 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def straight(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def straight(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Uninterrupted runs, one per variant."""
     runs = {}
     for name, extra in VARIANTS.items():
         output_dir = tmp_path_factory.mktemp(f"straight-{name}")
-        ok(torchrun(run_args(shared_data, output_dir, *extra)))
+        ok(torchrun(run_args(sample_data, output_dir, *extra)))
         assert sorted(losses(output_dir)) == list(range(1, STEPS + 1))
         runs[name] = output_dir
     return runs
@@ -89,9 +89,9 @@ def straight(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_stop_and_resume_is_exact(
-    shared_data: Path, tmp_path: Path, straight: dict[str, Path], variant: str
+    sample_data: Path, tmp_path: Path, straight: dict[str, Path], variant: str
 ) -> None:
-    args = run_args(shared_data, tmp_path, *VARIANTS[variant])
+    args = run_args(sample_data, tmp_path, *VARIANTS[variant])
     ok(torchrun([*args, "--max-steps", str(STEPS // 2)]))
     assert max(losses(tmp_path)) == STEPS // 2
     output = ok(torchrun(args))
@@ -99,10 +99,10 @@ def test_stop_and_resume_is_exact(
     assert_same_run(tmp_path, straight[variant])
 
 
-def test_incompatible_checkpoint_is_refused(shared_data: Path, straight: dict[str, Path]) -> None:
+def test_incompatible_checkpoint_is_refused(sample_data: Path, straight: dict[str, Path]) -> None:
     checkpoints = straight["none"] / "checkpoints"
     before = {p: p.stat().st_mtime_ns for p in checkpoints.rglob("*")}
-    args = run_args(shared_data, straight["none"], "--compression", "dct")
+    args = run_args(sample_data, straight["none"], "--compression", "dct")
     result = torchrun(args)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -147,12 +147,12 @@ def _start(args: list[str], log: Path, extra: tuple = ()) -> subprocess.Popen:
 
 
 def test_worker_killed_during_a_checkpoint_write_is_restarted_and_resumes(
-    shared_data: Path, tmp_path: Path, straight: dict[str, Path]
+    sample_data: Path, tmp_path: Path, straight: dict[str, Path]
 ) -> None:
     """torchrun --max-restarts restarts the group after a SIGKILL; the checkpoint being written
     (its temporary folder) is ignored and the previous complete one is resumed from."""
     root = tmp_path / "checkpoints"
-    proc = _start(run_args(shared_data, tmp_path), tmp_path / "log.txt", ("--max-restarts=2",))
+    proc = _start(run_args(sample_data, tmp_path), tmp_path / "log.txt", ("--max-restarts=2",))
     try:
         _wait_for(lambda: _complete(root) and any(root.glob("step-*.tmp")), proc)
         complete_at_kill = _complete(root)
@@ -167,9 +167,9 @@ def test_worker_killed_during_a_checkpoint_write_is_restarted_and_resumes(
 
 
 def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(
-    shared_data: Path, tmp_path: Path, straight: dict[str, Path]
+    sample_data: Path, tmp_path: Path, straight: dict[str, Path]
 ) -> None:
-    args = run_args(shared_data, tmp_path, "--checkpoint-every", "0")
+    args = run_args(sample_data, tmp_path, "--checkpoint-every", "0")
     root = tmp_path / "checkpoints"
     proc = _start(args, tmp_path / "log.txt")
     try:
@@ -195,13 +195,13 @@ def losses_or_empty(output_dir: Path) -> dict[int, float]:
 
 
 def test_two_agents_on_loopback_match_one_agent(
-    shared_data: Path, tmp_path: Path, straight: dict[str, Path]
+    sample_data: Path, tmp_path: Path, straight: dict[str, Path]
 ) -> None:
     """--nnodes 2 with one process each, c10d rendezvous at 127.0.0.1. One thread per process,
     as torchrun gives each of 2 processes on one node (the loss reduction's float sums depend
     on the thread count)."""
     port = free_port()
-    args = run_args(shared_data, tmp_path, "--threads", "1")
+    args = run_args(sample_data, tmp_path, "--threads", "1")
     commands = [torchrun_command(args, nproc=1, nnodes=2, port=port) for _ in range(2)]
     procs = [
         subprocess.Popen(c, cwd=REPO, env=subprocess_env(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,7 +199,46 @@ def load_toml(path: str) -> dict[str, object]:
     unknown = [key for key in values if key.replace("-", "_") not in field_names()]
     if unknown:
         raise UserError(f"config file {path}: {_unknown_message(unknown[0])}")
-    return {key.replace("-", "_"): value for key, value in values.items()}
+    flat = {key.replace("-", "_"): value for key, value in values.items()}
+    return resolve_input_paths(flat, file.resolve().parent)
+
+
+# Inputs a config file may name by a path relative to itself. Outputs (output_dir,
+# checkpoint_dir) stay relative to the working directory, as in torchtitan and HF Trainer.
+_PATH_OR_HUB_ID = ("model", "tokenizer")
+_PATHS = ("resume_from",)
+_PATH_LISTS = ("data_files", "eval_files")
+
+
+def resolve_input_paths(values: dict[str, object], base: Path) -> dict[str, object]:
+    """Make the input paths of a config file absolute, relative to ``base`` (its folder).
+
+    ``model`` and ``tokenizer`` may be hub ids: they are resolved only when ``base / value``
+    exists. ``resume_from`` and each glob of ``data_files``/``eval_files`` are always joined to
+    ``base`` unless absolute or empty. Other values pass through unchanged.
+    """
+    resolved = dict(values)
+    for name in _PATH_OR_HUB_ID:
+        value = resolved.get(name)
+        if isinstance(value, str) and value and (base / value).exists():
+            resolved[name] = str((base / value).resolve())
+    for name in _PATHS:
+        value = resolved.get(name)
+        if isinstance(value, str) and value:
+            resolved[name] = _joined(base, value)
+    for name in _PATH_LISTS:
+        value = resolved.get(name)
+        if isinstance(value, list):
+            resolved[name] = [
+                _joined(base, item) if isinstance(item, str) else item for item in value
+            ]
+    return resolved
+
+
+def _joined(base: Path, value: str) -> str:
+    """``value`` if absolute, else ``base / value`` normalised (globs kept as written)."""
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else Path(os.path.normpath(base / path)))
 
 
 def _unknown_message(name: str) -> str:
@@ -248,7 +288,9 @@ def parse_config(argv: list[str]) -> TrainConfig:
     if unknown:
         raise UserError(_unknown_message(unknown[0]))
     values = {name: getattr(namespace, name) for name in field_names()}
-    config = TrainConfig(**values)
+    # Flags name paths relative to the working directory; save them absolute so that the saved
+    # config means the same from anywhere (config-file paths were resolved by load_toml).
+    config = TrainConfig(**resolve_input_paths(values, Path.cwd()))
     validate(config)
     return config
 
