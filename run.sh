@@ -5,6 +5,7 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 ./run.sh --config configs/llama2_7b.toml   # on node 1
 # A crashed worker makes torchrun restart the whole group (up to MAX_RESTARTS times); the
 # restarted workers resume from the newest complete checkpoint.
+# PRINT_ONLY=1 prints the torchrun command (shell-quoted) instead of running it.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -28,13 +29,21 @@ else
   TORCHRUN=(torchrun)
 fi
 
-exec "${TORCHRUN[@]}" \
-  --nproc_per_node="$NPROC_PER_NODE" \
-  --nnodes="$NNODES" \
-  --node_rank="$NODE_RANK" \
-  --rdzv_id="$RDZV_ID" \
-  --rdzv_backend=c10d \
-  --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
-  --rdzv_conf="join_timeout=$RDZV_TIMEOUT,last_call_timeout=30,close_timeout=60" \
-  --max_restarts="$MAX_RESTARTS" \
+COMMAND=(
+  "${TORCHRUN[@]}"
+  --nproc_per_node="$NPROC_PER_NODE"
+  --nnodes="$NNODES"
+  --node_rank="$NODE_RANK"
+  --rdzv_id="$RDZV_ID"
+  --rdzv_backend=c10d
+  --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"
+  --rdzv_conf="join_timeout=$RDZV_TIMEOUT,last_call_timeout=30,close_timeout=60"
+  --max_restarts="$MAX_RESTARTS"
   train.py "$@"
+)
+if [ "${PRINT_ONLY:-0}" = 1 ]; then
+  printf '%q ' "${COMMAND[@]}"
+  printf '\n'
+  exit 0
+fi
+exec "${COMMAND[@]}"
