@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -109,3 +110,32 @@ def test_dry_run_plans_llama2_7b_offline(
     out = capsys.readouterr().out
     assert "6,738,415,616 parameters" in out
     assert "| weights | 25.10 |" in out and "does not fit" in out
+
+
+def test_a_model_that_is_not_a_causal_lm_is_one_line(
+    capsys: pytest.CaptureFixture[str], sample_data: Path, tmp_path: Path
+) -> None:
+    from transformers import T5Config  # noqa: PLC0415 - only this test needs it
+
+    T5Config(d_model=32, num_layers=1, num_heads=2).to_json_file(tmp_path / "t5.json")
+    args = [*_tiny_args(sample_data, tmp_path), "--model", str(tmp_path / "t5.json")]
+    err = _error_line(capsys, args)
+    assert "is a t5 model, not a causal language model" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_device_cuda_without_a_gpu_is_one_line(
+    capsys: pytest.CaptureFixture[str], sample_data: Path, tmp_path: Path
+) -> None:
+    err = _error_line(capsys, [*_tiny_args(sample_data, tmp_path), "--device", "cuda"])
+    assert "--device cuda was asked for but torch sees no GPU" in err
+
+
+def test_bad_adamw_option_in_a_config_file_is_one_line(
+    capsys: pytest.CaptureFixture[str], sample_data: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "adamw.toml").write_text('adamw_implementation = "apex"\n')
+    args = [*_tiny_args(sample_data, tmp_path), "--config", str(tmp_path / "adamw.toml")]
+    err = _error_line(capsys, args)
+    assert "adamw_implementation = 'apex' is invalid" in err

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from torchrun_ddp.checkpoint import (
     ModelAndOptimizer,
@@ -157,7 +158,9 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     """Check the model, memory plan, tokenizer, data paths and compression settings; raises
     UserError on the first problem."""
     compression_settings(config)
+    check_device(config.device)
     model_config = load_model_config(config.model)
+    check_causal_lm(model_config, config.model)
     limit = max_positions(model_config)
     if limit and config.seq_length > limit:
         raise UserError(
@@ -174,6 +177,24 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         tokenizer=tokenizer,
         train_documents=open_documents(train_files, *hub, split="train"),
         eval_documents=open_documents(eval_files, *hub, split="validation"),
+    )
+
+
+def check_device(device: str) -> None:
+    """Raise UserError for ``--device cuda`` on a machine where torch sees no GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but torch sees no GPU; use --device cpu")
+
+
+def check_causal_lm(model_config: PretrainedConfig, name: str) -> None:
+    """Raise UserError unless ``AutoModelForCausalLM`` has a class for the config's model type
+    (a BERT or T5 config cannot be trained as a causal LM)."""
+    model_type = getattr(model_config, "model_type", "")
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    raise UserError(
+        f"--model {name} is a {model_type or 'unknown'} model, not a causal language model "
+        "(AutoModelForCausalLM has no class for it); pass a causal LM such as LLaMA"
     )
 
 
