@@ -139,9 +139,7 @@ def test_every_field_has_help() -> None:
         ("learning_rate = -0.5", "--learning-rate must be > 0"),
     ],
 )
-def test_config_file_values_are_checked_like_flags(
-    tmp_path: Path, line: str, message: str
-) -> None:
+def test_config_file_values_are_checked_like_flags(tmp_path: Path, line: str, message: str) -> None:
     """Types, choices and ranges of a config file: each bad value is one UserError naming the
     key, before anything is built (flags refuse the same values through argparse)."""
     file = tmp_path / "run.toml"

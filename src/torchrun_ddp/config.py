@@ -166,6 +166,11 @@ class TrainConfig:
         True, "Resume from the newest complete checkpoint in --checkpoint-dir (--no-resume: fresh)."
     )
     resume_from: str = _opt("", "Resume from this step-N checkpoint folder instead of the newest.")
+    overwrite_output_dir: bool = _opt(
+        False,
+        "With --no-resume: delete the checkpoints and metrics.jsonl of the run already in "
+        "--checkpoint-dir/--output-dir (without it such a start is refused).",
+    )
     # Outputs
     output_dir: str = _opt("outputs/run", "Folder for metrics.jsonl, config.toml and final_model/.")
     log_every: int = _opt(10, "Log training metrics every N optimizer steps.")

@@ -8,6 +8,7 @@ gradients are all-reduced once per step by the comm hook), clip, step, schedule,
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -35,15 +36,17 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from torchrun_ddp.checkpoint import (
     ModelAndOptimizer,
     ShardedOptimizer,
+    StartPlan,
     Stateful,
     capture_rng_state,
     check_compatible,
-    find_latest,
     load_checkpoint,
     model_fingerprint,
+    plan_start,
     read_meta,
     restore_rng_state,
     save_checkpoint,
+    verify_start,
 )
 from torchrun_ddp.compression import (
     CompressionSettings,
@@ -74,9 +77,10 @@ from torchrun_ddp.metrics import (
     MetricsLogger,
     Record,
     build_metrics,
+    check_records,
     device_peak_flops,
-    drop_records_after,
     peak_memory_bytes,
+    restart_records,
 )
 from torchrun_ddp.model import (
     autocast_context,
@@ -131,6 +135,8 @@ class Trainer:
     """Training FLOPs per token (6N + attention), for MFU."""
     peak_flops_total: float
     """Peak FLOP/s of all ranks together; inf when unknown (MFU then reads 0)."""
+    run_id: str = ""
+    """The run's identity, stamped in checkpoints and metrics.jsonl."""
     step: int = 0
     """Optimizer steps done (restored on resume)."""
 
@@ -280,27 +286,80 @@ def visible_device_gib() -> float:
     return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
-def run(config: TrainConfig, env: DistEnv) -> None:
-    """Train as one rank of a torchrun job (or alone), always tearing the process group down."""
+def run(config: TrainConfig, env: DistEnv) -> bool:
+    """Train as one rank of a torchrun job (or alone), always tearing the process group down.
+
+    Returns True when training finished (or for --dry-run) and False when SIGTERM/SIGINT stopped
+    it after a checkpoint (train.py then exits with status 143).
+    """
     setup_logging(env.rank, config.verbose)
     if config.dry_run:
         if env.is_main:
             print(dry_run(config, env))
-        return
+        return True
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     init_distributed(env, device, config.backend, config.timeout_s)
     try:
-        trainer = build_trainer(config, env, device, inputs)
-        resume(trainer)
+        plan = agree_on_start(config, env, device)
+        trainer = build_trainer(config, env, device, inputs, plan.run_id)
+        resume(trainer, plan)
         if env.is_main:
+            metrics = Path(config.output_dir) / "metrics.jsonl"
+            restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
             save_config(config, Path(config.output_dir) / "config.toml")
-        if train(trainer):
+        finished = train(trainer)
+        if finished:
             save_final_model(trainer)
         trainer.metrics.close()
+        return finished
     finally:
         shutdown_distributed()
+
+
+def decide_start(config: TrainConfig) -> StartPlan:
+    """Rank 0: what to resume (``checkpoint.plan_start``). Raises UserError when the
+    checkpoint folder or metrics.jsonl hold another run (see --overwrite-output-dir) or the
+    checkpoint cannot be read."""
+    root = checkpoint_root(config)
+    overwrite = config.overwrite_output_dir and not config.resume and not config.resume_from
+    plan = plan_start(root, config.resume, config.resume_from, overwrite)
+    check_records(Path(config.output_dir) / "metrics.jsonl", plan.run_id, overwrite)
+    return plan
+
+
+def agree_on_start(config: TrainConfig, env: DistEnv, device: torch.device) -> StartPlan:
+    """Collective: rank 0 decides (``decide_start``) and broadcasts the plan or its error as
+    JSON; every rank then checks it sees the same complete checkpoint (``verify_start``).
+
+    Raises the same UserError on every rank, so no rank is left waiting in a collective.
+    """
+    decision: dict[str, object] = {}
+    if env.is_main:
+        try:
+            decision = {"plan": dataclasses.asdict(decide_start(config))}
+        except UserError as exc:  # only bad input: every rank must stop with the same message
+            decision = {"error": str(exc)}
+    decision = broadcast_json(decision, device)
+    if "error" in decision:
+        raise UserError(str(decision["error"]))
+    plan = StartPlan(**decision["plan"])
+    verify_start(plan, device)
+    return plan
+
+
+def broadcast_json(value: dict[str, object], device: torch.device) -> dict[str, object]:
+    """Rank 0's ``value`` on every rank, sent as UTF-8 JSON bytes (two broadcasts: the length,
+    then a uint8 tensor); JSON, not pickle, so nothing received is unpickled."""
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return json.loads(bytes(buffer.cpu().tolist()).decode())
 
 
 def build_ddp_model(
@@ -326,7 +385,7 @@ def build_ddp_model(
 
 
 def build_trainer(
-    config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs
+    config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs, run_id: str = ""
 ) -> Trainer:
     """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
     model, ddp_model, compression = build_ddp_model(config, device, inputs)
@@ -359,11 +418,12 @@ def build_trainer(
         scheduler=scheduler,
         compression=compression,
         windows=build_train_windows(config, env, inputs),
-        eval_set=build_eval_set(config, env, inputs),
-        metrics=build_metrics(Path(config.output_dir), env.is_main, config.tensorboard),
+        eval_set=build_eval_set(config, env, inputs, device),
+        metrics=build_metrics(Path(config.output_dir), env.is_main, config.tensorboard, run_id),
         tokenizer=inputs.tokenizer,
         flops_per_token=flops,
         peak_flops_total=peak * env.world_size if peak else math.inf,
+        run_id=run_id,
     )
 
 
@@ -392,11 +452,23 @@ def build_train_windows(config: TrainConfig, env: DistEnv, inputs: Inputs) -> Pa
     )
 
 
-def build_eval_set(config: TrainConfig, env: DistEnv, inputs: Inputs) -> list[torch.Tensor]:
-    """This rank's fixed held-out micro-batches (same documents every evaluation)."""
+def build_eval_set(
+    config: TrainConfig, env: DistEnv, inputs: Inputs, device: torch.device
+) -> list[torch.Tensor]:
+    """This rank's fixed held-out micro-batches (same documents every evaluation).
+
+    Collective: every rank keeps as many batches as the rank with the fewest (one all-reduce,
+    MIN), so all ranks run the same number of DDP forwards in ``evaluate``; DDP broadcasts
+    buffers (LLaMA's rotary ``inv_freq``) in every forward, and an unmatched one would hang.
+    """
     shard = shard_for_rank(inputs.eval_documents, env.rank, env.world_size)
     windows = PackedWindows(shard, inputs.tokenizer, config.seq_length)
-    return eval_batches(windows, config.batch_size, config.eval_batches)
+    batches = eval_batches(windows, config.batch_size, config.eval_batches)
+    count = torch.tensor([len(batches)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    if int(count.item()) < len(batches):
+        log.warning("evaluating on %d batches per rank: a rank has no more", int(count.item()))
+    return batches[: int(count.item())]
 
 
 def next_micro_batches(
@@ -481,7 +553,7 @@ def train(trainer: Trainer) -> bool:
                 return False
             after_step(trainer, window, progress)
     progress.close()
-    finish(trainer)
+    finish(trainer, window)
     return True
 
 
@@ -498,9 +570,12 @@ def after_step(trainer: Trainer, window: Window, progress: tqdm) -> None:
         save(trainer)
 
 
-def finish(trainer: Trainer) -> None:
-    """The last evaluation and checkpoint, unless the last step already made them."""
+def finish(trainer: Trainer, window: Window) -> None:
+    """The last partial logging window, evaluation and checkpoint, unless the last step already
+    made them."""
     config, step = trainer.config, trainer.step
+    if window.steps:
+        trainer.metrics.log(window.flush(step))
     if config.eval_every == 0 or step % config.eval_every != 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
     if config.checkpoint_every == 0 or step % config.checkpoint_every != 0:
@@ -650,12 +725,18 @@ def rank_state(trainer: Trainer) -> dict[str, Stateful]:
 
 def run_identity(trainer: Trainer) -> dict[str, object]:
     """What a checkpoint must match to be resumed by this run."""
+    config = trainer.config
     return {
         "model": model_fingerprint(trainer.model),
         "vocab_size": trainer.model.module.config.vocab_size,
-        "compression": trainer.config.compression,
-        "seq_length": trainer.config.seq_length,
-        "zero1": trainer.config.zero1,
+        "compression": config.compression,
+        "seq_length": config.seq_length,
+        "zero1": config.zero1,
+        "seed": config.seed,
+        "shuffle_buffer": config.shuffle_buffer,
+        "epochs": config.epochs,
+        "data_files": config.data_files,
+        "dataset": [config.dataset, config.dataset_config] if not config.data_files else None,
     }
 
 
@@ -664,6 +745,7 @@ def save(trainer: Trainer) -> Path:
     per_rank = {name: obj.state_dict() for name, obj in rank_state(trainer).items()}
     per_rank["rng"] = capture_rng_state()
     meta = {**run_identity(trainer), "config": dataclasses.asdict(trainer.config)}
+    meta["run_id"] = trainer.run_id
     meta["tokens_seen"] = trainer.step * tokens_per_step(trainer.config, trainer.env)
     path = save_checkpoint(
         checkpoint_root(trainer.config),
@@ -677,17 +759,15 @@ def save(trainer: Trainer) -> Path:
     return path
 
 
-def resume(trainer: Trainer) -> None:
-    """Restore the newest complete checkpoint (or --resume-from) if there is one.
+def resume(trainer: Trainer, plan: StartPlan) -> None:
+    """Restore the checkpoint that ``plan`` names (every rank agreed on it), if any.
 
-    Raises UserError, before anything is written, if the checkpoint does not fit this run.
+    Raises UserError, before any training state changes, if the checkpoint does not fit this
+    run (model, data stream, world size...).
     """
-    config = trainer.config
-    path = Path(config.resume_from) if config.resume_from else None
-    if path is None and config.resume:
-        path = find_latest(checkpoint_root(config))
-    if path is None:
+    if plan.path is None:
         return
+    path = Path(plan.path)
     saved = read_meta(path)
     check_compatible(saved, {**run_identity(trainer), "world_size": trainer.env.world_size})
     per_rank = load_checkpoint(path, shared_state(trainer))
@@ -695,8 +775,6 @@ def resume(trainer: Trainer) -> None:
         obj.load_state_dict(per_rank[name])
     restore_rng_state(per_rank["rng"])
     trainer.step = int(saved["step"])
-    if trainer.env.is_main:
-        drop_records_after(Path(config.output_dir) / "metrics.jsonl", trainer.step)
     log.info("resumed from %s at step %d", path, trainer.step)
 
 
