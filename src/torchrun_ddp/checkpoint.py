@@ -67,6 +67,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import fault_point
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -219,10 +220,13 @@ def save_checkpoint(
     if rank == 0:
         _write_json(tmp / _SHARED_JSON, shared_tree)
         _write_bytes(tmp / _META_JSON, meta_text.encode())
+    fault_point("checkpoint-write", step)
     _barrier()
     if rank == 0:
-        _publish(tmp, final)
+        _publish(tmp, final, step)
         _prune(root, keep)
+    else:
+        fault_point("publish", step)
     _barrier()
     return final
 
@@ -603,7 +607,7 @@ def _remove_incomplete(root: Path) -> None:
             shutil.rmtree(path)
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def _publish(tmp: Path, final: Path, step: int = -1) -> None:
     """Rename ``tmp`` to ``final`` (replacing an older copy), then write the marker."""
     if (tmp / _DCP_DIR).is_dir():
         _fsync_dir(tmp / _DCP_DIR)
@@ -613,6 +617,7 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(final)
     tmp.rename(final)
     _fsync_dir(final.parent)
+    fault_point("publish", step)
     _write_bytes(final / MARKER, b"")
     _fsync_dir(final)
 

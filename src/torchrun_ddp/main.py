@@ -63,6 +63,7 @@ from torchrun_ddp.distributed import (
     shutdown_distributed,
 )
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import fault_point
 from torchrun_ddp.memory_plan import (
     MemoryPlan,
     PlanSettings,
@@ -516,6 +517,7 @@ def forward_backward(
 def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tensor, Tensor]:
     """One optimizer step over ``batches``: returns (mean loss, gradient norm before clipping)."""
     loss = forward_backward(trainer.model, batches, trainer.config.precision)
+    fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
     params = trainer.model.parameters()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.config.max_grad_norm)
     trainer.optimizer.step()

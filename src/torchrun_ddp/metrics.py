@@ -25,6 +25,7 @@ from typing import Protocol, TextIO
 import torch
 
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import fault_point
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -64,7 +65,12 @@ class JsonlSink:
         if self.file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.file = self.path.open("a", encoding="utf-8")
-        self.file.write(json.dumps({"run_id": self.run_id, **record}) + "\n")
+        text = json.dumps({"run_id": self.run_id, **record}) + "\n"
+        half = len(text) // 2
+        self.file.write(text[:half])
+        self.file.flush()
+        fault_point("metrics", int(record["step"]))  # tests only: a crash mid-line
+        self.file.write(text[half:])
         self.file.flush()
 
     def close(self) -> None:
@@ -86,6 +92,8 @@ class MetricsLogger:
 
     def log(self, record: Record) -> None:
         """Send one record to all sinks."""
+        if not self.sinks:
+            fault_point("metrics", int(record["step"]))  # tests only: other ranks
         for sink in self.sinks:
             sink.write(record)
 
