@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 
@@ -63,9 +64,10 @@ def test_bad_input_gives_one_line_and_saves_nothing(
 
 
 def test_gated_model_without_token(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.setattr(train, "load_dotenv", lambda: None)
     err = _error_line(capsys, ["--model", "meta-llama/Llama-2-7b-hf"])
     assert "gated" in err and "HF_TOKEN" in err
@@ -139,3 +141,20 @@ def test_bad_adamw_option_in_a_config_file_is_one_line(
     args = [*_tiny_args(sample_data, tmp_path), "--config", str(tmp_path / "adamw.toml")]
     err = _error_line(capsys, args)
     assert "adamw_implementation = 'apex' is invalid" in err
+
+
+def test_a_token_saved_by_hf_auth_login_is_accepted_and_never_shown(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No HF_TOKEN in the environment, but the file `hf auth login` writes: the gated-model
+    check passes (huggingface_hub.get_token), and the token appears in no output or saved file."""
+    from torchrun_ddp.model import check_access  # noqa: PLC0415
+
+    secret = "hf_notarealtoken0123456789"
+    (tmp_path / "token").write_text(secret)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    check_access("meta-llama/Llama-2-7b-hf")
+    assert train.main(["--model", "meta-llama/Llama-2-7b-hf", "--print-config"]) == 0
+    captured = capsys.readouterr()
+    assert secret not in captured.out + captured.err
