@@ -38,6 +38,7 @@ DDP model and its optimizer via ``get_state_dict`` / ``set_state_dict``, keys wi
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -57,6 +58,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -198,7 +200,9 @@ def save_checkpoint(
     complete checkpoints remain. Every rank returns after the marker is written.
 
     Raises ``ValueError`` for ``keep < 1`` and ``TypeError`` for a value JSON cannot hold, both
-    before any file is touched or any collective is entered.
+    before any file is touched or any collective is entered. Raises UserError when the device
+    of ``root`` is full (ENOSPC): the unfinished ``step-<step>.tmp`` is never published, so the
+    newest complete checkpoint stays loadable (the next save removes the leftover).
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -212,14 +216,23 @@ def save_checkpoint(
         _remove_incomplete(root)
         tmp.mkdir(parents=True)
     _barrier()
-    if shared_tensors:  # the same on every rank, so all or none enter the collective
-        dcp.save(_unshared(shared_tensors), storage_writer=_writer(tmp / _DCP_DIR))
-    cpu = {key: value.cpu().contiguous() for key, value in _unshared(rank_tensors).items()}
-    _write_bytes(tmp / f"rank-{rank}.safetensors", safetensors_bytes(cpu))
-    _write_json(tmp / f"rank-{rank}.json", rank_tree)
-    if rank == 0:
-        _write_json(tmp / _SHARED_JSON, shared_tree)
-        _write_bytes(tmp / _META_JSON, meta_text.encode())
+    try:
+        if shared_tensors:  # the same on every rank, so all or none enter the collective
+            dcp.save(_unshared(shared_tensors), storage_writer=_writer(tmp / _DCP_DIR))
+        cpu = {key: value.cpu().contiguous() for key, value in _unshared(rank_tensors).items()}
+        _write_bytes(tmp / f"rank-{rank}.safetensors", safetensors_bytes(cpu))
+        _write_json(tmp / f"rank-{rank}.json", rank_tree)
+        if rank == 0:
+            _write_json(tmp / _SHARED_JSON, shared_tree)
+            _write_bytes(tmp / _META_JSON, meta_text.encode())
+    except (OSError, CheckpointException) as exc:
+        if not _disk_full(exc):
+            raise
+        raise UserError(
+            f"no space left on the device of --checkpoint-dir {root} while writing step {step}; "
+            "the newest complete checkpoint is kept: free space (or lower --keep-checkpoints) "
+            "and restart to resume from it"
+        ) from exc
     fault_point("checkpoint-write", step)
     _barrier()
     if rank == 0:
@@ -605,6 +618,14 @@ def _remove_incomplete(root: Path) -> None:
     for _, path in _step_dirs(root):
         if not (path / MARKER).is_file():
             shutil.rmtree(path)
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OSError, or DCP's CheckpointException gathering every rank's
+    failure) comes from ENOSPC on some rank."""
+    if isinstance(exc, CheckpointException):
+        return any(_disk_full(failure) for failure, _ in exc.failures.values())
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
 
 
 def _publish(tmp: Path, final: Path, step: int = -1) -> None:
