@@ -364,7 +364,8 @@ def plan_start(root: Path, resume: bool, resume_from: str, overwrite: bool) -> S
       ``run.json`` are deleted when ``overwrite`` is set, otherwise UserError.
 
     Raises UserError if ``root`` holds another run than the one resumed, or if the checkpoint to
-    resume is incomplete or unreadable. Writes ``run.json`` only when ``root`` has none.
+    resume is incomplete or unreadable. The caller records the run id (``record_run_id``) once
+    its own checks pass.
     """
     existing = read_run_id(root)
     if not resume and not resume_from:
@@ -375,10 +376,10 @@ def plan_start(root: Path, resume: bool, resume_from: str, overwrite: bool) -> S
                     f"{existing or '(unnamed)'}, which a new run must not mix with; {_OTHER_RUN}"
                 )
             delete_run(root)
-        return _started(root, StartPlan(new_run_id()))
+        return StartPlan(new_run_id())
     path = Path(resume_from) if resume_from else find_latest(root)
     if path is None:
-        return _started(root, StartPlan(existing or new_run_id()))
+        return StartPlan(existing or new_run_id())
     meta = read_meta(path)
     run_id = str(meta.get("run_id") or existing or new_run_id())
     if existing is not None and existing != run_id:
@@ -386,14 +387,13 @@ def plan_start(root: Path, resume: bool, resume_from: str, overwrite: bool) -> S
             f"--checkpoint-dir {root} holds run {existing} but {path} belongs to run {run_id}; "
             "resume into the checkpoint's own folder, or pass a new --checkpoint-dir"
         )
-    return _started(root, StartPlan(run_id, str(path), int(meta["step"])))
+    return StartPlan(run_id, str(path), int(meta["step"]))
 
 
-def _started(root: Path, plan: StartPlan) -> StartPlan:
-    """Record ``plan.run_id`` in ``root`` unless it is there already; returns ``plan``."""
-    if read_run_id(root) != plan.run_id:
-        write_run_id(root, plan.run_id)
-    return plan
+def record_run_id(root: Path, run_id: str) -> None:
+    """Write ``run_id`` to ``<root>/run.json`` unless it is there already."""
+    if read_run_id(root) != run_id:
+        write_run_id(root, run_id)
 
 
 def delete_run(root: Path) -> None:
@@ -709,6 +709,7 @@ __all__ = [
     "plan_start",
     "read_meta",
     "read_run_id",
+    "record_run_id",
     "restore_rng_state",
     "save_checkpoint",
     "verify_start",

@@ -44,6 +44,7 @@ from torchrun_ddp.checkpoint import (
     model_fingerprint,
     plan_start,
     read_meta,
+    record_run_id,
     restore_rng_state,
     save_checkpoint,
     verify_start,
@@ -327,6 +328,7 @@ def decide_start(config: TrainConfig) -> StartPlan:
     overwrite = config.overwrite_output_dir and not config.resume and not config.resume_from
     plan = plan_start(root, config.resume, config.resume_from, overwrite)
     check_records(Path(config.output_dir) / "metrics.jsonl", plan.run_id, overwrite)
+    record_run_id(root, plan.run_id)
     return plan
 
 
