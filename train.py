@@ -2,7 +2,9 @@
 
 Loads ``.env`` (HF_TOKEN), reads the torchrun environment, parses the config and calls
 ``torchrun_ddp.main.run``. Without torchrun it trains as a single process (world_size 1).
-Bad input prints one line, ``error: ...``, and exits with status 2.
+Exit statuses: 0 finished; 2 bad input (one line, ``error: ...``); 143 (128 + SIGTERM) stopped by
+SIGTERM or SIGINT after saving a checkpoint, so schedulers and scripts can tell a preempted run
+from a finished one (torchrun with --max-restarts then restarts the group, which resumes).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from dotenv import load_dotenv
 from torchrun_ddp.config import parse_config, to_toml
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
+
+STOPPED = 143
+"""Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint: 128 + SIGTERM (15)."""
 
 
 def main(argv: list[str]) -> int:
@@ -27,11 +32,11 @@ def main(argv: list[str]) -> int:
             return 0
         from torchrun_ddp.main import run  # noqa: PLC0415 - heavy imports after --help is handled
 
-        run(config, env)
+        finished = run(config, env)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return 0 if finished else STOPPED
 
 
 if __name__ == "__main__":

@@ -263,6 +263,7 @@ def train_args(args: argparse.Namespace, variant: Variant, output_dir: Path) -> 
     """``train.py`` arguments: tiny config, one thread, per-step records, minimal eval."""
     flags = ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir)]
     flags += ["--output-dir", str(output_dir), "--no-resume", "--threads", "1"]
+    flags += ["--overwrite-output-dir"]  # reruns replace the old run
     flags += ["--max-steps", str(args.warmup + args.steps), "--seq-length", str(args.seq_length)]
     flags += ["--batch-size", str(args.batch_size), "--log-every", "1", "--eval-every", "0"]
     flags += ["--eval-batches", "1", "--checkpoint-every", "0", "--timeout-s", "300"]

@@ -100,6 +100,7 @@ def train_args(args: argparse.Namespace, variant: Variant, output_dir: Path) -> 
     cycle = max(1, args.steps - args.warmup_steps)
     flags = ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir)]
     flags += ["--output-dir", str(output_dir), "--no-resume", "--max-steps", str(args.steps)]
+    flags += ["--overwrite-output-dir"]  # reruns replace the old run
     flags += ["--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size)]
     flags += ["--learning-rate", str(args.learning_rate), "--min-lr", str(args.min_lr)]
     flags += ["--warmup-steps", str(args.warmup_steps), "--restart-every", str(cycle)]

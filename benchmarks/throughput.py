@@ -131,6 +131,7 @@ def run_setting(args: argparse.Namespace, setting: Setting, run_dir: Path) -> li
     command += [f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(REPO / "train.py")]
     command += ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir)]
     command += ["--output-dir", str(run_dir), "--no-resume", "--checkpoint-every", "0"]
+    command += ["--overwrite-output-dir"]  # reruns replace the old run
     command += ["--max-steps", str(args.steps), "--log-every", "1", "--eval-every", "0"]
     command += ["--eval-batches", "1", "--seq-length", str(args.seq_length)]
     command += ["--batch-size", str(per_rank), *setting.flags()]

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import huggingface_hub
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -62,9 +64,10 @@ def test_bad_input_gives_one_line_and_saves_nothing(
 
 
 def test_gated_model_without_token(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.setattr(train, "load_dotenv", lambda: None)
     err = _error_line(capsys, ["--model", "meta-llama/Llama-2-7b-hf"])
     assert "gated" in err and "HF_TOKEN" in err
@@ -109,3 +112,49 @@ def test_dry_run_plans_llama2_7b_offline(
     out = capsys.readouterr().out
     assert "6,738,415,616 parameters" in out
     assert "| weights | 25.10 |" in out and "does not fit" in out
+
+
+def test_a_model_that_is_not_a_causal_lm_is_one_line(
+    capsys: pytest.CaptureFixture[str], sample_data: Path, tmp_path: Path
+) -> None:
+    from transformers import T5Config  # noqa: PLC0415 - only this test needs it
+
+    T5Config(d_model=32, num_layers=1, num_heads=2).to_json_file(tmp_path / "t5.json")
+    args = [*_tiny_args(sample_data, tmp_path), "--model", str(tmp_path / "t5.json")]
+    err = _error_line(capsys, args)
+    assert "is a t5 model, not a causal language model" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_device_cuda_without_a_gpu_is_one_line(
+    capsys: pytest.CaptureFixture[str], sample_data: Path, tmp_path: Path
+) -> None:
+    err = _error_line(capsys, [*_tiny_args(sample_data, tmp_path), "--device", "cuda"])
+    assert "--device cuda was asked for but torch sees no GPU" in err
+
+
+def test_bad_adamw_option_in_a_config_file_is_one_line(
+    capsys: pytest.CaptureFixture[str], sample_data: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "adamw.toml").write_text('adamw_implementation = "apex"\n')
+    args = [*_tiny_args(sample_data, tmp_path), "--config", str(tmp_path / "adamw.toml")]
+    err = _error_line(capsys, args)
+    assert "adamw_implementation = 'apex' is invalid" in err
+
+
+def test_a_token_saved_by_hf_auth_login_is_accepted_and_never_shown(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No HF_TOKEN in the environment, but the file `hf auth login` writes: the gated-model
+    check passes (huggingface_hub.get_token), and the token appears in no output or saved file."""
+    from torchrun_ddp.model import check_access  # noqa: PLC0415
+
+    secret = "hf_notarealtoken0123456789"
+    (tmp_path / "token").write_text(secret)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    check_access("meta-llama/Llama-2-7b-hf")
+    assert train.main(["--model", "meta-llama/Llama-2-7b-hf", "--print-config"]) == 0
+    captured = capsys.readouterr()
+    assert secret not in captured.out + captured.err

@@ -120,3 +120,44 @@ def test_malformed_and_unknown_toml(tmp_path: Path) -> None:
 def test_every_field_has_help() -> None:
     for item in dataclasses.fields(TrainConfig):
         assert item.metadata.get("help"), item.name
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('precision = "fp16"', "precision = 'fp16' is invalid (Input should be 'fp32'"),
+        ("batch_size = 4.5", "batch_size = 4.5 is invalid (Input should be a valid integer)"),
+        ("batch_size = true", "batch_size = True is invalid"),
+        ('data_files = "a.json.gz"', "data_files = 'a.json.gz' is invalid (Input should be a "),
+        ('init = "pretrianed"', "init = 'pretrianed' is invalid"),
+        ('adamw_implementation = "fast"', "adamw_implementation = 'fast' is invalid"),
+        ('device = "cuda:0"', "device = 'cuda:0' is invalid"),
+        ('compression = "topk"', "compression = 'topk' is invalid"),
+        ('seq_length = "64"', "seq_length = '64' is invalid"),
+        ("zero1 = 1", "zero1 = 1 is invalid (Input should be a valid boolean)"),
+        ("eval_files = [3]", "eval_files.0 = 3 is invalid"),
+        ("learning_rate = -0.5", "--learning-rate must be > 0"),
+    ],
+)
+def test_config_file_values_are_checked_like_flags(tmp_path: Path, line: str, message: str) -> None:
+    """Types, choices and ranges of a config file: each bad value is one UserError naming the
+    key, before anything is built (flags refuse the same values through argparse)."""
+    file = tmp_path / "run.toml"
+    file.write_text(line + "\n")
+    with pytest.raises(UserError, match="^" + ("config file " if "=" in message else "")) as info:
+        parse_config(["--config", str(file)])
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_config_file_int_for_a_float_is_a_float(tmp_path: Path) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text("learning_rate = 1\nddp_bucket_cap_mb = 25\n")
+    config = parse_config(["--config", str(file)])
+    assert isinstance(config.learning_rate, float) and config.learning_rate == 1.0
+    assert isinstance(config.ddp_bucket_cap_mb, float)
+
+
+def test_a_flag_overrides_a_valid_file_value(tmp_path: Path) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text('precision = "bf16"\n')
+    assert parse_config(["--config", str(file), "--precision", "fp32"]).precision == "fp32"

@@ -133,3 +133,50 @@ def test_state_dict_resumes_at_the_exact_next_batch(
     resumed.load_state_dict(state)
     got = list(zip(range(5), build_loader(resumed, 4), strict=False))
     assert all((a == b).all() for a, (_, b) in zip(expected, got, strict=True))
+
+
+def test_a_tokenizer_without_bos_packs_ids_and_eos(sample_data: Path, tmp_path: Path) -> None:
+    """Qwen2-style: bos_token_id is None. Each document is ids + EOS, no None in any window."""
+    no_bos = load_tokenizer(str(sample_data / "tokenizer" / "mistral-7b-v0.1"))
+    no_bos.bos_token = None
+    assert no_bos.bos_token_id is None and no_bos.eos_token_id is not None
+    data = tmp_path / "docs.json"
+    texts = ["the first document", "a second one, a little longer than the first"]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    windows = PackedWindows(open_documents([str(data)], "", "", "train"), no_bos, 4)
+    got = [int(token) for window in windows for token in window]
+    expected: list[int] = []
+    for text in texts:
+        expected += [*no_bos(text, add_special_tokens=False)["input_ids"], no_bos.eos_token_id]
+    assert got == expected[: len(got)] and len(expected) - len(got) < 4
+
+
+def _gzip_bytes(text: str) -> bytes:
+    return gzip.compress(text.encode())
+
+
+GOOD_LINES = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(200))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("corrupt.json.gz", b"\x1f\x8b\x08\x00garbage that is not deflate", "cannot be read"),
+        ("truncated.json.gz", _gzip_bytes(GOOD_LINES)[:-40], "cannot be read"),
+        ("empty.json", b"", "holds no records"),
+        ("empty.json.gz", _gzip_bytes(""), "holds no records"),
+        ("csv.json", b"a,b\n1,2\n", "line 1 is not JSON"),
+        ("notext.json", b'{"text": "ok"}\n{"body": "x"}\n', "line 2 has no 'text' string"),
+        ("list.json", b'["text"]\n', "line 1 has no 'text' string"),
+        ("binary.json", b"\xff\xfe\x00bad", "cannot be read"),
+    ],
+)
+def test_bad_data_files_are_one_line_errors_naming_the_file(
+    tmp_path: Path, name: str, content: bytes, message: str
+) -> None:
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(UserError) as info:
+        resolve_files([str(tmp_path / name)], "--eval-files")
+    text = str(info.value)
+    assert text.startswith(f"--eval-files {tmp_path / name} ") and message in text, text
+    assert "\n" not in text

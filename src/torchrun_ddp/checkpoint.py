@@ -13,6 +13,12 @@ A checkpoint is the folder ``<root>/step-<N>/`` (``N`` = optimizer steps done) h
 - ``meta.json``: ``step``, ``world_size`` and whatever the caller adds (fingerprints, config).
 - ``COMPLETE``: an empty marker, written last. A folder without it is never loaded.
 
+Run identity: ``<root>/run.json`` holds the ``run_id`` (a random hex string) of the one run whose
+checkpoints the folder holds, and every ``meta.json`` repeats it. ``plan_start`` (rank 0) decides
+what a starting run resumes and refuses to start a different run in a folder that holds another
+run's checkpoints, unless told to overwrite them; ``verify_start`` checks on every rank that it
+sees the checkpoint rank 0 chose.
+
 Nothing is pickled: DCP's default file format pickles its ``.metadata`` file and non-tensor
 values, so only tensors go through DCP, in its safetensors format (metadata rebuilt from the
 safetensors headers), and everything else is JSON. Tuples survive the trip as tuples.
@@ -32,13 +38,16 @@ DDP model and its optimizer via ``get_state_dict`` / ``set_state_dict``, keys wi
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
 import random
 import re
 import shutil
+import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Protocol, cast
@@ -49,6 +58,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -59,6 +69,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import fault_point
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -68,6 +79,11 @@ _DCP_DIR = "dcp"
 _SHARED_JSON = "shared.json"
 _META_JSON = "meta.json"
 _HINT = "use --no-resume or a matching --resume-from"
+RUN_FILE = "run.json"
+_OTHER_RUN = (
+    "pass a new --checkpoint-dir (and --output-dir), or add --overwrite-output-dir to delete "
+    "the old run's checkpoints and metrics"
+)
 
 
 class Stateful(Protocol):
@@ -184,7 +200,9 @@ def save_checkpoint(
     complete checkpoints remain. Every rank returns after the marker is written.
 
     Raises ``ValueError`` for ``keep < 1`` and ``TypeError`` for a value JSON cannot hold, both
-    before any file is touched or any collective is entered.
+    before any file is touched or any collective is entered. Raises UserError when the device
+    of ``root`` is full (ENOSPC): the unfinished ``step-<step>.tmp`` is never published, so the
+    newest complete checkpoint stays loadable (the next save removes the leftover).
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -198,18 +216,30 @@ def save_checkpoint(
         _remove_incomplete(root)
         tmp.mkdir(parents=True)
     _barrier()
-    if shared_tensors:  # the same on every rank, so all or none enter the collective
-        dcp.save(_unshared(shared_tensors), storage_writer=_writer(tmp / _DCP_DIR))
-    cpu = {key: value.cpu().contiguous() for key, value in _unshared(rank_tensors).items()}
-    _write_bytes(tmp / f"rank-{rank}.safetensors", safetensors_bytes(cpu))
-    _write_json(tmp / f"rank-{rank}.json", rank_tree)
-    if rank == 0:
-        _write_json(tmp / _SHARED_JSON, shared_tree)
-        _write_bytes(tmp / _META_JSON, meta_text.encode())
+    try:
+        if shared_tensors:  # the same on every rank, so all or none enter the collective
+            dcp.save(_unshared(shared_tensors), storage_writer=_writer(tmp / _DCP_DIR))
+        cpu = {key: value.cpu().contiguous() for key, value in _unshared(rank_tensors).items()}
+        _write_bytes(tmp / f"rank-{rank}.safetensors", safetensors_bytes(cpu))
+        _write_json(tmp / f"rank-{rank}.json", rank_tree)
+        if rank == 0:
+            _write_json(tmp / _SHARED_JSON, shared_tree)
+            _write_bytes(tmp / _META_JSON, meta_text.encode())
+    except (OSError, CheckpointException) as exc:
+        if not _disk_full(exc):
+            raise
+        raise UserError(
+            f"no space left on the device of --checkpoint-dir {root} while writing step {step}; "
+            "the newest complete checkpoint is kept: free space (or lower --keep-checkpoints) "
+            "and restart to resume from it"
+        ) from exc
+    fault_point("checkpoint-write", step)
     _barrier()
     if rank == 0:
-        _publish(tmp, final)
+        _publish(tmp, final, step)
         _prune(root, keep)
+    else:
+        fault_point("publish", step)
     _barrier()
     return final
 
@@ -281,6 +311,135 @@ def load_checkpoint(path: Path, shared: Mapping[str, Stateful]) -> dict[str, obj
     state = _load_tree(path, f"rank-{rank}")
     _barrier()
     return state
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """What a starting run does: resume ``path`` (``step`` steps done) or start fresh (``path``
+    None, ``step`` 0); ``run_id`` names the run either way."""
+
+    run_id: str
+    path: str | None = None
+    step: int = 0
+
+
+def read_run_id(root: Path) -> str | None:
+    """The run id in ``<root>/run.json``, or None when there is none (a new folder).
+
+    Raises UserError if the file exists but is not a JSON object with a string ``run_id``.
+    """
+    file = root / RUN_FILE
+    if not file.is_file():
+        return None
+    try:
+        value = json.loads(file.read_text()).get("run_id")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise UserError(f"cannot read the run id in {file} ({exc}); {_OTHER_RUN}") from exc
+    if not isinstance(value, str):
+        raise UserError(f"{file} has no run_id string; {_OTHER_RUN}")
+    return value
+
+
+def write_run_id(root: Path, run_id: str) -> None:
+    """Write ``<root>/run.json`` atomically (temporary file, fsync, rename)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{RUN_FILE}.tmp"
+    _write_json(tmp, {"run_id": run_id})
+    tmp.replace(root / RUN_FILE)
+    _fsync_dir(root)
+
+
+def new_run_id() -> str:
+    """A fresh random run id (32 hex digits, uuid4)."""
+    return uuid.uuid4().hex
+
+
+def plan_start(root: Path, resume: bool, resume_from: str, overwrite: bool) -> StartPlan:
+    """Rank 0's decision what to resume from ``root`` (file system only, no collective).
+
+    - ``resume_from``: that complete checkpoint, continuing its run id.
+    - ``resume``: the newest complete checkpoint of ``root``; without one, the run of
+      ``run.json`` starts over (a crash before the first checkpoint) or a new run starts.
+    - neither (``--no-resume``): a new run; if ``root`` holds a run, its checkpoints and
+      ``run.json`` are deleted when ``overwrite`` is set, otherwise UserError.
+
+    Raises UserError if ``root`` holds another run than the one resumed, or if the checkpoint to
+    resume is incomplete or unreadable. The caller records the run id (``record_run_id``) once
+    its own checks pass.
+    """
+    existing = read_run_id(root)
+    if not resume and not resume_from:
+        if existing is not None or _step_dirs(root):
+            if not overwrite:
+                raise UserError(
+                    f"--no-resume: --checkpoint-dir {root} holds the checkpoints of run "
+                    f"{existing or '(unnamed)'}, which a new run must not mix with; {_OTHER_RUN}"
+                )
+            delete_run(root)
+        return StartPlan(new_run_id())
+    path = Path(resume_from) if resume_from else find_latest(root)
+    if path is None:
+        return StartPlan(existing or new_run_id())
+    meta = read_meta(path)
+    run_id = str(meta.get("run_id") or existing or new_run_id())
+    if existing is not None and existing != run_id:
+        raise UserError(
+            f"--checkpoint-dir {root} holds run {existing} but {path} belongs to run {run_id}; "
+            "resume into the checkpoint's own folder, or pass a new --checkpoint-dir"
+        )
+    return StartPlan(run_id, str(path), int(meta["step"]))
+
+
+def record_run_id(root: Path, run_id: str) -> None:
+    """Write ``run_id`` to ``<root>/run.json`` unless it is there already."""
+    if read_run_id(root) != run_id:
+        write_run_id(root, run_id)
+
+
+def delete_run(root: Path) -> None:
+    """Delete every ``step-<N>`` and ``*.tmp`` folder and ``run.json`` under ``root`` (markers
+    first, so a crash halfway never leaves a loadable partial checkpoint)."""
+    for _, path in _step_dirs(root):
+        (path / MARKER).unlink(missing_ok=True)
+    _remove_incomplete(root)
+    (root / RUN_FILE).unlink(missing_ok=True)
+
+
+def check_start(plan: StartPlan) -> str:
+    """Why this rank cannot resume ``plan`` ("" when it can): the checkpoint must be complete
+    here, at the same step and of the same run. Reads files only; see ``verify_start``."""
+    if plan.path is None:
+        return ""
+    path = Path(plan.path)
+    if not (path / MARKER).is_file():
+        return f"{path} is not complete here"
+    try:
+        meta = json.loads((path / _META_JSON).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"cannot read {path / _META_JSON} ({exc})"
+    if meta.get("step") != plan.step or meta.get("run_id", plan.run_id) != plan.run_id:
+        return f"{path} holds step {meta.get('step')} of run {meta.get('run_id')}"
+    return ""
+
+
+def verify_start(plan: StartPlan, device: torch.device) -> None:
+    """Collective: every rank checks ``check_start(plan)``; one all-reduce (MIN) of the verdicts.
+
+    Raises UserError on every rank (so none waits in a later collective) when any rank does not
+    see the checkpoint rank 0 chose, e.g. a node-local or stale --checkpoint-dir.
+    """
+    problem = check_start(plan)
+    verdict = torch.tensor([0 if problem else 1], device=device)
+    if _distributed():
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    if int(verdict.item()) == 1:
+        return
+    rank, _ = _rank_and_world()
+    raise UserError(
+        f"not every rank sees the checkpoint {plan.path} (step {plan.step}) that rank 0 chose "
+        f"(rank {rank}: {problem or 'sees it'}); put --checkpoint-dir on a file system shared "
+        "by all nodes, at the same path"
+    )
 
 
 def capture_rng_state() -> dict[str, object]:
@@ -461,7 +620,15 @@ def _remove_incomplete(root: Path) -> None:
             shutil.rmtree(path)
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OSError, or DCP's CheckpointException gathering every rank's
+    failure) comes from ENOSPC on some rank."""
+    if isinstance(exc, CheckpointException):
+        return any(_disk_full(failure) for failure, _ in exc.failures.values())
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
+def _publish(tmp: Path, final: Path, step: int = -1) -> None:
     """Rename ``tmp`` to ``final`` (replacing an older copy), then write the marker."""
     if (tmp / _DCP_DIR).is_dir():
         _fsync_dir(tmp / _DCP_DIR)
@@ -471,6 +638,7 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(final)
     tmp.rename(final)
     _fsync_dir(final.parent)
+    fault_point("publish", step)
     _write_bytes(final / MARKER, b"")
     _fsync_dir(final)
 
@@ -526,14 +694,24 @@ def _short(value: object) -> str:
 
 __all__ = [
     "MARKER",
+    "RUN_FILE",
     "ModelAndOptimizer",
+    "StartPlan",
     "Stateful",
     "capture_rng_state",
     "check_compatible",
+    "check_start",
+    "delete_run",
     "find_latest",
     "load_checkpoint",
     "model_fingerprint",
+    "new_run_id",
+    "plan_start",
     "read_meta",
+    "read_run_id",
+    "record_run_id",
     "restore_rng_state",
     "save_checkpoint",
+    "verify_start",
+    "write_run_id",
 ]

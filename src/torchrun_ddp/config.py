@@ -2,8 +2,10 @@
 
 Every field's ``help`` text is what ``python train.py --help`` prints. Parsing uses transformers'
 ``HfArgumentParser`` (flags accept ``--seq-length`` and ``--seq_length``); a TOML file given with
-``--config FILE`` supplies defaults that flags then override. ``validate`` rejects bad values
-before any process group starts.
+``--config FILE`` supplies defaults that flags then override. Config-file values are checked
+like flags (types, choices, unknown keys) by a strict pydantic model built from the dataclass
+fields (``file_schema``), and ``validate`` checks ranges of the merged config; both raise
+``UserError`` before any process group starts.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import difflib
 import os
 import tomllib
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
+from typing import Literal, get_type_hints
 
 import tomli_w
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from transformers import HfArgumentParser
 
 from torchrun_ddp.errors import UserError
@@ -161,6 +166,11 @@ class TrainConfig:
         True, "Resume from the newest complete checkpoint in --checkpoint-dir (--no-resume: fresh)."
     )
     resume_from: str = _opt("", "Resume from this step-N checkpoint folder instead of the newest.")
+    overwrite_output_dir: bool = _opt(
+        False,
+        "With --no-resume: delete the checkpoints and metrics.jsonl of the run already in "
+        "--checkpoint-dir/--output-dir (without it such a start is refused).",
+    )
     # Outputs
     output_dir: str = _opt("outputs/run", "Folder for metrics.jsonl, config.toml and final_model/.")
     log_every: int = _opt(10, "Log training metrics every N optimizer steps.")
@@ -200,7 +210,40 @@ def load_toml(path: str) -> dict[str, object]:
     if unknown:
         raise UserError(f"config file {path}: {_unknown_message(unknown[0])}")
     flat = {key.replace("-", "_"): value for key, value in values.items()}
-    return resolve_input_paths(flat, file.resolve().parent)
+    return resolve_input_paths(check_file_values(flat, path), file.resolve().parent)
+
+
+@cache
+def file_schema() -> type[BaseModel]:
+    """A strict pydantic model of the config-file values, built from TrainConfig's fields.
+
+    Each field keeps its annotated type; a field with ``choices`` becomes ``Literal[choices]``.
+    Strict mode refuses what a flag's type would refuse: 4.5 or true for an int, a string for a
+    list, an int for a string (an int is accepted for a float, as TOML writes ``1`` for 1.0).
+    Unknown keys are refused (``extra="forbid"``).
+    """
+    hints = get_type_hints(TrainConfig)
+    fields: dict[str, tuple[object, object]] = {}
+    for item in dataclasses.fields(TrainConfig):
+        choices = item.metadata.get("choices")
+        kind = Literal[tuple(choices)] if choices else hints[item.name]
+        fields[item.name] = (kind, None)
+    strict = ConfigDict(strict=True, extra="forbid")
+    return create_model("TrainConfigFile", __config__=strict, **fields)
+
+
+def check_file_values(values: dict[str, object], path: str) -> dict[str, object]:
+    """The config-file ``values`` (underscored keys, as TOML parsed them) after the checks a flag
+    gets, ints for float fields made floats; raises UserError naming the first bad key."""
+    try:
+        return file_schema().model_validate(values).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(part) for part in error["loc"])
+        raise UserError(
+            f"config file {path}: {key} = {error['input']!r} is invalid ({error['msg']}); "
+            f"fix it in the file (see --help for --{_flag(str(error['loc'][0]))})"
+        ) from exc
 
 
 # Inputs a config file may name by a path relative to itself. Outputs (output_dir,

@@ -8,6 +8,7 @@ gradients are all-reduced once per step by the comm hook), clip, step, schedule,
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -30,19 +31,23 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from torchrun_ddp.checkpoint import (
     ModelAndOptimizer,
     ShardedOptimizer,
+    StartPlan,
     Stateful,
     capture_rng_state,
     check_compatible,
-    find_latest,
     load_checkpoint,
     model_fingerprint,
+    plan_start,
     read_meta,
+    record_run_id,
     restore_rng_state,
     save_checkpoint,
+    verify_start,
 )
 from torchrun_ddp.compression import (
     CompressionSettings,
@@ -59,6 +64,7 @@ from torchrun_ddp.distributed import (
     shutdown_distributed,
 )
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import fault_point
 from torchrun_ddp.memory_plan import (
     MemoryPlan,
     PlanSettings,
@@ -73,9 +79,10 @@ from torchrun_ddp.metrics import (
     MetricsLogger,
     Record,
     build_metrics,
+    check_records,
     device_peak_flops,
-    drop_records_after,
     peak_memory_bytes,
+    restart_records,
 )
 from torchrun_ddp.model import (
     autocast_context,
@@ -130,6 +137,8 @@ class Trainer:
     """Training FLOPs per token (6N + attention), for MFU."""
     peak_flops_total: float
     """Peak FLOP/s of all ranks together; inf when unknown (MFU then reads 0)."""
+    run_id: str = ""
+    """The run's identity, stamped in checkpoints and metrics.jsonl."""
     step: int = 0
     """Optimizer steps done (restored on resume)."""
 
@@ -157,7 +166,9 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     """Check the model, memory plan, tokenizer, data paths and compression settings; raises
     UserError on the first problem."""
     compression_settings(config)
+    check_device(config.device)
     model_config = load_model_config(config.model)
+    check_causal_lm(model_config, config.model)
     limit = max_positions(model_config)
     if limit and config.seq_length > limit:
         raise UserError(
@@ -174,6 +185,24 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         tokenizer=tokenizer,
         train_documents=open_documents(train_files, *hub, split="train"),
         eval_documents=open_documents(eval_files, *hub, split="validation"),
+    )
+
+
+def check_device(device: str) -> None:
+    """Raise UserError for ``--device cuda`` on a machine where torch sees no GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but torch sees no GPU; use --device cpu")
+
+
+def check_causal_lm(model_config: PretrainedConfig, name: str) -> None:
+    """Raise UserError unless ``AutoModelForCausalLM`` has a class for the config's model type
+    (a BERT or T5 config cannot be trained as a causal LM)."""
+    model_type = getattr(model_config, "model_type", "")
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    raise UserError(
+        f"--model {name} is a {model_type or 'unknown'} model, not a causal language model "
+        "(AutoModelForCausalLM has no class for it); pass a causal LM such as LLaMA"
     )
 
 
@@ -259,27 +288,81 @@ def visible_device_gib() -> float:
     return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
-def run(config: TrainConfig, env: DistEnv) -> None:
-    """Train as one rank of a torchrun job (or alone), always tearing the process group down."""
+def run(config: TrainConfig, env: DistEnv) -> bool:
+    """Train as one rank of a torchrun job (or alone), always tearing the process group down.
+
+    Returns True when training finished (or for --dry-run) and False when SIGTERM/SIGINT stopped
+    it after a checkpoint (train.py then exits with status 143).
+    """
     setup_logging(env.rank, config.verbose)
     if config.dry_run:
         if env.is_main:
             print(dry_run(config, env))
-        return
+        return True
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     init_distributed(env, device, config.backend, config.timeout_s)
     try:
-        trainer = build_trainer(config, env, device, inputs)
-        resume(trainer)
+        plan = agree_on_start(config, env, device)
+        trainer = build_trainer(config, env, device, inputs, plan.run_id)
+        resume(trainer, plan)
         if env.is_main:
+            metrics = Path(config.output_dir) / "metrics.jsonl"
+            restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
             save_config(config, Path(config.output_dir) / "config.toml")
-        if train(trainer):
+        finished = train(trainer)
+        if finished:
             save_final_model(trainer)
         trainer.metrics.close()
+        return finished
     finally:
         shutdown_distributed()
+
+
+def decide_start(config: TrainConfig) -> StartPlan:
+    """Rank 0: what to resume (``checkpoint.plan_start``). Raises UserError when the
+    checkpoint folder or metrics.jsonl hold another run (see --overwrite-output-dir) or the
+    checkpoint cannot be read."""
+    root = checkpoint_root(config)
+    overwrite = config.overwrite_output_dir and not config.resume and not config.resume_from
+    plan = plan_start(root, config.resume, config.resume_from, overwrite)
+    check_records(Path(config.output_dir) / "metrics.jsonl", plan.run_id, overwrite)
+    record_run_id(root, plan.run_id)
+    return plan
+
+
+def agree_on_start(config: TrainConfig, env: DistEnv, device: torch.device) -> StartPlan:
+    """Collective: rank 0 decides (``decide_start``) and broadcasts the plan or its error as
+    JSON; every rank then checks it sees the same complete checkpoint (``verify_start``).
+
+    Raises the same UserError on every rank, so no rank is left waiting in a collective.
+    """
+    decision: dict[str, object] = {}
+    if env.is_main:
+        try:
+            decision = {"plan": dataclasses.asdict(decide_start(config))}
+        except UserError as exc:  # only bad input: every rank must stop with the same message
+            decision = {"error": str(exc)}
+    decision = broadcast_json(decision, device)
+    if "error" in decision:
+        raise UserError(str(decision["error"]))
+    plan = StartPlan(**decision["plan"])
+    verify_start(plan, device)
+    return plan
+
+
+def broadcast_json(value: dict[str, object], device: torch.device) -> dict[str, object]:
+    """Rank 0's ``value`` on every rank, sent as UTF-8 JSON bytes (two broadcasts: the length,
+    then a uint8 tensor); JSON, not pickle, so nothing received is unpickled."""
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return json.loads(bytes(buffer.cpu().tolist()).decode())
 
 
 def build_ddp_model(
@@ -305,7 +388,7 @@ def build_ddp_model(
 
 
 def build_trainer(
-    config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs
+    config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs, run_id: str = ""
 ) -> Trainer:
     """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
     model, ddp_model, compression = build_ddp_model(config, device, inputs)
@@ -338,11 +421,12 @@ def build_trainer(
         scheduler=scheduler,
         compression=compression,
         windows=build_train_windows(config, env, inputs),
-        eval_set=build_eval_set(config, env, inputs),
-        metrics=build_metrics(Path(config.output_dir), env.is_main, config.tensorboard),
+        eval_set=build_eval_set(config, env, inputs, device),
+        metrics=build_metrics(Path(config.output_dir), env.is_main, config.tensorboard, run_id),
         tokenizer=inputs.tokenizer,
         flops_per_token=flops,
         peak_flops_total=peak * env.world_size if peak else math.inf,
+        run_id=run_id,
     )
 
 
@@ -371,11 +455,23 @@ def build_train_windows(config: TrainConfig, env: DistEnv, inputs: Inputs) -> Pa
     )
 
 
-def build_eval_set(config: TrainConfig, env: DistEnv, inputs: Inputs) -> list[torch.Tensor]:
-    """This rank's fixed held-out micro-batches (same documents every evaluation)."""
+def build_eval_set(
+    config: TrainConfig, env: DistEnv, inputs: Inputs, device: torch.device
+) -> list[torch.Tensor]:
+    """This rank's fixed held-out micro-batches (same documents every evaluation).
+
+    Collective: every rank keeps as many batches as the rank with the fewest (one all-reduce,
+    MIN), so all ranks run the same number of DDP forwards in ``evaluate``; DDP broadcasts
+    buffers (LLaMA's rotary ``inv_freq``) in every forward, and an unmatched one would hang.
+    """
     shard = shard_for_rank(inputs.eval_documents, env.rank, env.world_size)
     windows = PackedWindows(shard, inputs.tokenizer, config.seq_length)
-    return eval_batches(windows, config.batch_size, config.eval_batches)
+    batches = eval_batches(windows, config.batch_size, config.eval_batches)
+    count = torch.tensor([len(batches)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    if int(count.item()) < len(batches):
+        log.warning("evaluating on %d batches per rank: a rank has no more", int(count.item()))
+    return batches[: int(count.item())]
 
 
 def next_micro_batches(
@@ -423,6 +519,7 @@ def forward_backward(
 def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tensor, Tensor]:
     """One optimizer step over ``batches``: returns (mean loss, gradient norm before clipping)."""
     loss = forward_backward(trainer.model, batches, trainer.config.precision)
+    fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
     params = trainer.model.parameters()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.config.max_grad_norm)
     trainer.optimizer.step()
@@ -460,7 +557,7 @@ def train(trainer: Trainer) -> bool:
                 return False
             after_step(trainer, window, progress)
     progress.close()
-    finish(trainer)
+    finish(trainer, window)
     return True
 
 
@@ -477,9 +574,12 @@ def after_step(trainer: Trainer, window: Window, progress: tqdm) -> None:
         save(trainer)
 
 
-def finish(trainer: Trainer) -> None:
-    """The last evaluation and checkpoint, unless the last step already made them."""
+def finish(trainer: Trainer, window: Window) -> None:
+    """The last partial logging window, evaluation and checkpoint, unless the last step already
+    made them."""
     config, step = trainer.config, trainer.step
+    if window.steps:
+        trainer.metrics.log(window.flush(step))
     if config.eval_every == 0 or step % config.eval_every != 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
     if config.checkpoint_every == 0 or step % config.checkpoint_every != 0:
@@ -629,12 +729,18 @@ def rank_state(trainer: Trainer) -> dict[str, Stateful]:
 
 def run_identity(trainer: Trainer) -> dict[str, object]:
     """What a checkpoint must match to be resumed by this run."""
+    config = trainer.config
     return {
         "model": model_fingerprint(trainer.model),
         "vocab_size": trainer.model.module.config.vocab_size,
-        "compression": trainer.config.compression,
-        "seq_length": trainer.config.seq_length,
-        "zero1": trainer.config.zero1,
+        "compression": config.compression,
+        "seq_length": config.seq_length,
+        "zero1": config.zero1,
+        "seed": config.seed,
+        "shuffle_buffer": config.shuffle_buffer,
+        "epochs": config.epochs,
+        "data_files": config.data_files,
+        "dataset": [config.dataset, config.dataset_config] if not config.data_files else None,
     }
 
 
@@ -643,6 +749,7 @@ def save(trainer: Trainer) -> Path:
     per_rank = {name: obj.state_dict() for name, obj in rank_state(trainer).items()}
     per_rank["rng"] = capture_rng_state()
     meta = {**run_identity(trainer), "config": dataclasses.asdict(trainer.config)}
+    meta["run_id"] = trainer.run_id
     meta["tokens_seen"] = trainer.step * tokens_per_step(trainer.config, trainer.env)
     path = save_checkpoint(
         checkpoint_root(trainer.config),
@@ -656,17 +763,15 @@ def save(trainer: Trainer) -> Path:
     return path
 
 
-def resume(trainer: Trainer) -> None:
-    """Restore the newest complete checkpoint (or --resume-from) if there is one.
+def resume(trainer: Trainer, plan: StartPlan) -> None:
+    """Restore the checkpoint that ``plan`` names (every rank agreed on it), if any.
 
-    Raises UserError, before anything is written, if the checkpoint does not fit this run.
+    Raises UserError, before any training state changes, if the checkpoint does not fit this
+    run (model, data stream, world size...).
     """
-    config = trainer.config
-    path = Path(config.resume_from) if config.resume_from else None
-    if path is None and config.resume:
-        path = find_latest(checkpoint_root(config))
-    if path is None:
+    if plan.path is None:
         return
+    path = Path(plan.path)
     saved = read_meta(path)
     check_compatible(saved, {**run_identity(trainer), "world_size": trainer.env.world_size})
     per_rank = load_checkpoint(path, shared_state(trainer))
@@ -674,8 +779,6 @@ def resume(trainer: Trainer) -> None:
         obj.load_state_dict(per_rank[name])
     restore_rng_state(per_rank["rng"])
     trainer.step = int(saved["step"])
-    if trainer.env.is_main:
-        drop_records_after(Path(config.output_dir) / "metrics.jsonl", trainer.step)
     log.info("resumed from %s at step %d", path, trainer.step)
 
 

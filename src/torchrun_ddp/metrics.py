@@ -7,20 +7,25 @@ spent waiting for data), ``grad_norm`` (global L2 norm before clipping), ``peak_
 (CUDA max allocated, or peak resident set size of the process on CPU), ``comm_bytes`` /
 ``comm_bytes_dense`` (gradient bytes sent per step per rank, and what a dense fp32 all-reduce
 would send), ``compression_ratio`` (dense / sent); evaluation records carry ``eval_loss`` and
-``eval_ppl``.
+``eval_ppl``. Every line of ``metrics.jsonl`` also carries the ``run_id`` of the run that wrote
+it (the id in the checkpoint folder's ``run.json``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import torch
+
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import fault_point
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -47,18 +52,30 @@ class LogSink:
 
 
 class JsonlSink:
-    """One JSON object per line, appended to ``path`` and flushed after every record."""
+    """One JSON object per line, ``{"run_id": ..., **record}``, appended to ``path`` and flushed
+    after every record (one ``write`` call per line). The file is opened at the first record, so
+    ``restart_records`` may rewrite it between building the sink and training."""
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a", encoding="utf-8")
+    def __init__(self, path: Path, run_id: str = "") -> None:
+        self.path = path
+        self.run_id = run_id
+        self.file: TextIO | None = None
 
     def write(self, record: Record) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = self.path.open("a", encoding="utf-8")
+        text = json.dumps({"run_id": self.run_id, **record}) + "\n"
+        half = len(text) // 2
+        self.file.write(text[:half])
+        self.file.flush()
+        fault_point("metrics", int(record["step"]))  # tests only: a crash mid-line
+        self.file.write(text[half:])
         self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 def _format(value: float | int) -> str:
@@ -75,6 +92,8 @@ class MetricsLogger:
 
     def log(self, record: Record) -> None:
         """Send one record to all sinks."""
+        if not self.sinks:
+            fault_point("metrics", int(record["step"]))  # tests only: other ranks
         for sink in self.sinks:
             sink.write(record)
 
@@ -84,24 +103,69 @@ class MetricsLogger:
             sink.close()
 
 
-def build_metrics(output_dir: Path, is_main: bool, tensorboard: bool = False) -> MetricsLogger:
-    """Log lines and ``<output_dir>/metrics.jsonl`` on rank 0, plus TensorBoard event files in
-    ``<output_dir>/tensorboard`` if asked; nothing on other ranks."""
+def build_metrics(
+    output_dir: Path, is_main: bool, tensorboard: bool = False, run_id: str = ""
+) -> MetricsLogger:
+    """Log lines and ``<output_dir>/metrics.jsonl`` (lines stamped with ``run_id``) on rank 0,
+    plus TensorBoard event files in ``<output_dir>/tensorboard`` if asked; nothing on other
+    ranks."""
     if not is_main:
         return MetricsLogger([])
-    sinks: list[Sink] = [LogSink(), JsonlSink(output_dir / "metrics.jsonl")]
+    sinks: list[Sink] = [LogSink(), JsonlSink(output_dir / "metrics.jsonl", run_id)]
     if tensorboard:
         sinks.append(TensorBoardSink(output_dir / "tensorboard"))
     return MetricsLogger(sinks)
 
 
-def drop_records_after(path: Path, step: int) -> None:
-    """Remove records past ``step`` from a metrics.jsonl (a resumed run logs those steps again)."""
+def read_records(path: Path) -> list[dict[str, object]]:
+    """The records of a metrics.jsonl; a torn last line (a crash mid-write) is left out.
+
+    Raises UserError naming the file and line for any other line that is not a JSON object.
+    """
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                log.warning("%s: dropping the torn last line %d (%s)", path, number, exc)
+                continue
+            raise UserError(
+                f"{path} line {number} is not JSON ({exc}); move the file away or fix the line"
+            ) from exc
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def check_records(path: Path, run_id: str, overwrite: bool = False) -> None:
+    """Raise UserError if a metrics.jsonl holds another run's records (no ``run_id`` or a
+    different one) and ``overwrite`` is not set, or a line before the last is not JSON."""
+    others = {str(r.get("run_id")) for r in read_records(path) if r.get("run_id") != run_id}
+    if others and not overwrite:
+        raise UserError(
+            f"{path} holds the metrics of another run ({sorted(others)[0]}); pass a new "
+            "--output-dir, or add --overwrite-output-dir to replace them"
+        )
+
+
+def restart_records(path: Path, run_id: str, step: int) -> None:
+    """Keep only the records of run ``run_id`` up to ``step`` in a metrics.jsonl (a resumed run
+    logs the later steps again; a fresh run passes ``step=-1``), rewritten atomically (temporary
+    file, fsync, rename), so a crash leaves either the old or the new file. A torn last line is
+    dropped; other runs' records too (``check_records`` first refuses them unless asked)."""
     if not path.is_file():
         return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(kept), encoding="utf-8")
+    kept = [r for r in read_records(path) if r.get("run_id") == run_id and int(r["step"]) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(record) + "\n" for record in kept)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -7,11 +7,11 @@ Uses transformers' ``LlamaForCausalLM`` (Touvron et al. 2023, "Llama 2"); any ca
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
+from huggingface_hub import get_token
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -33,13 +33,17 @@ def _is_local(name: str) -> bool:
 
 
 def check_access(name: str) -> None:
-    """Raise UserError if ``name`` is a gated hub model and HF_TOKEN is not set."""
+    """Raise UserError if ``name`` is a gated hub model and no Hugging Face token is found.
+
+    The token comes from huggingface_hub's own lookup (``get_token``: HF_TOKEN, then the file
+    ``hf auth login`` saves); it is only tested for presence, never printed or stored.
+    """
     if _is_local(name) or not name.startswith(GATED_ORGS):
         return
-    if not os.environ.get("HF_TOKEN"):
+    if not get_token():
         raise UserError(
-            f"{name} is a gated model: accept its licence on the Hugging Face hub and put "
-            "HF_TOKEN=<your token> in .env (see .env.example)"
+            f"{name} is a gated model: accept its licence on the Hugging Face hub, then run "
+            "`hf auth login` or put HF_TOKEN=<your token> in .env (see .env.example)"
         )
 
 

@@ -2,15 +2,19 @@
 
 Documents come from ``datasets`` streaming (the hub's ``allenai/c4`` or local json/json.gz
 files in C4's layout), are split across ranks with ``datasets.distributed.split_dataset_by_node``,
-shuffled with a seeded buffer of documents, tokenised as ``BOS + tokens + EOS`` and packed back
-to back into windows of exactly ``seq_length`` tokens, so no padding token is ever trained on.
+shuffled with a seeded buffer of documents, tokenised as ``BOS + tokens + EOS`` (without BOS for
+tokenizers that have none, such as Qwen2's) and packed back to back into windows of exactly
+``seq_length`` tokens, so no padding token is ever trained on.
 """
 
 from __future__ import annotations
 
 import copy
 import glob
+import gzip
+import json
 import random
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,14 +28,57 @@ from torchrun_ddp.errors import UserError
 
 
 def resolve_files(patterns: list[str], flag: str) -> list[str]:
-    """Expand globs into a sorted list of files; raises UserError if a pattern matches nothing."""
+    """Expand globs into a sorted list of files, each checked by ``check_data_file``; raises
+    UserError if a pattern matches nothing or a file is unreadable."""
     files: list[str] = []
     for pattern in patterns:
         matched = sorted(glob.glob(pattern)) or ([pattern] if Path(pattern).is_file() else [])
         if not matched:
             raise UserError(f"{flag} {pattern} matches no file; check the path or the glob")
         files.extend(matched)
+    for file in files:
+        check_data_file(file, flag)
     return files
+
+
+FULL_CHECK_BYTES = 64 * 2**20
+"""Files up to this size (64 MiB on disk) are read to the end by ``check_data_file``; larger
+ones only to their first record, so a run over many large shards starts quickly."""
+
+
+def check_data_file(path: str, flag: str) -> None:
+    """Raise UserError naming ``path`` if it is not JSON lines of objects with a string ``text``:
+    a corrupt or truncated gzip stream, an empty file, a line that is not a JSON object, or a
+    record without ``text``. Checks every line of files up to ``FULL_CHECK_BYTES``, else the first.
+    """
+    full = Path(path).stat().st_size <= FULL_CHECK_BYTES
+    opener = gzip.open if path.endswith(".gz") else open
+    records = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                _check_record(line, path, number, flag)
+                records += 1
+                if not full:
+                    break
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
+        raise UserError(f"{flag} {path} cannot be read ({exc}); replace the file") from exc
+    if records == 0:
+        raise UserError(f"{flag} {path} holds no records; remove it or pass another file")
+
+
+def _check_record(line: str, path: str, number: int, flag: str) -> None:
+    """Raise UserError unless ``line`` is a JSON object with a string ``text``."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{flag} {path} line {number} is not JSON ({exc}); use JSON lines") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise UserError(
+            f"{flag} {path} line {number} has no 'text' string; use files in C4's layout"
+        )
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
@@ -118,7 +165,8 @@ class PackedWindows(torch.utils.data.IterableDataset):
         if not text.strip():
             return []
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return [self.tokenizer.bos_token_id, *ids, self.tokenizer.eos_token_id]
+        bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
+        return [*([bos] if bos is not None else []), *ids, *([eos] if eos is not None else [])]
 
     def _shuffled_texts(self) -> Iterator[str | None]:
         """One epoch of documents through the shuffle buffer (``pending``)."""

@@ -1,0 +1,95 @@
+"""Collective start-up decisions on 2 real gloo ranks (one spawn): rank 0 picks the checkpoint
+to resume and every rank verifies it sees it; every rank evaluates on as many batches."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from distributed_harness import run_distributed
+from tiny_models import tiny_llama_config
+
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.main import Inputs, agree_on_start, build_eval_set, evaluate
+from torchrun_ddp.model import build_model, wrap_ddp
+from torchrun_ddp.training_data import load_tokenizer, open_documents
+
+CPU = torch.device("cpu")
+
+
+def _checkpoint(root: Path, step: int, run_id: str = "run-a") -> None:
+    """The files the start-up decision reads: a complete step folder and run.json."""
+    folder = root / f"step-{step}"
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps({"step": step, "run_id": run_id}))
+    (folder / "COMPLETE").write_text("")
+    (root / "run.json").write_text(json.dumps({"run_id": run_id}))
+
+
+def _start(rank: int, world_size: int, folder: Path, **options: object) -> object:
+    """agree_on_start with checkpoint_dir "ckpt" relative to ``folder`` (this rank's view)."""
+    os.chdir(folder)
+    config = TrainConfig(checkpoint_dir="ckpt", output_dir="out", **options)
+    try:
+        plan = agree_on_start(config, DistEnv(rank=rank, world_size=world_size), CPU)
+    except UserError as exc:
+        return f"UserError: {exc}"
+    return [plan.path, plan.step, plan.run_id]
+
+
+def _evaluate(rank: int, world_size: int, tokenizer_dir: str, eval_file: str) -> object:
+    """build_eval_set + evaluate on a DDP model; rank 0 has more eval windows than rank 1."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    documents = open_documents([eval_file], "", "", "validation")
+    config = TrainConfig(seq_length=8, batch_size=1, eval_batches=4)
+    env = DistEnv(rank=rank, world_size=world_size)
+    inputs = Inputs(tiny_llama_config(len(tokenizer)), tokenizer, documents, documents)
+    eval_set = build_eval_set(config, env, inputs, CPU)
+    model = build_model("tiny", inputs.model_config, "random", "fp32", 0, CPU)
+    trainer = SimpleNamespace(model=wrap_ddp(model, CPU), eval_set=eval_set, device=CPU)
+    trainer.config = config
+    record = evaluate(trainer)
+    return {"batches": len(eval_set), "eval_loss": record.get("eval_loss", -1.0)}
+
+
+def _worker(rank: int, world_size: int, base: str, tokenizer_dir: str, eval_file: str) -> object:
+    root = Path(base)
+    return {
+        "shared": _start(rank, world_size, root / "shared"),
+        "stale": _start(rank, world_size, root / f"node-{rank}"),
+        "no_resume": _start(rank, world_size, root / "shared", resume=False),
+        "eval": _evaluate(rank, world_size, tokenizer_dir, eval_file),
+    }
+
+
+def test_start_is_decided_by_rank_0_and_checked_by_every_rank(
+    sample_data: Path, tmp_path: Path
+) -> None:
+    for step in (4, 8):
+        _checkpoint(tmp_path / "shared" / "ckpt", step)
+        _checkpoint(tmp_path / "node-0" / "ckpt", step)
+    _checkpoint(tmp_path / "node-1" / "ckpt", 4)  # a stale view: step 8 is missing here
+    long_text = " ".join(f"word{i}" for i in range(40))
+    docs = [
+        long_text,
+        "word0 word1 word2",
+        long_text,
+    ]  # by example: rank 0 gets 0 and 2, rank 1 gets 1
+    eval_file = tmp_path / "eval.json"
+    eval_file.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
+    tokenizer_dir = str(sample_data / "tokenizer" / "mistral-7b-v0.1")
+    ranks = run_distributed(_worker, 2, str(tmp_path), tokenizer_dir, str(eval_file), timeout=240.0)
+    assert ranks[0]["shared"] == ranks[1]["shared"] == ["ckpt/step-8", 8, "run-a"]
+    for result in ranks:
+        stale = result["stale"]
+        assert stale.startswith("UserError: not every rank sees the checkpoint ckpt/step-8")
+        assert "--checkpoint-dir on a file system shared by all nodes" in stale
+        assert result["no_resume"].startswith("UserError: --no-resume: --checkpoint-dir ckpt")
+    assert "(rank 1: ckpt/step-8 is not complete here)" in ranks[1]["stale"]
+    assert ranks[0]["eval"]["batches"] == ranks[1]["eval"]["batches"] == 1, ranks
+    assert ranks[0]["eval"]["eval_loss"] == ranks[1]["eval"]["eval_loss"] > 0
