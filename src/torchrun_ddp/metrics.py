@@ -208,20 +208,33 @@ GPU_PEAK_FLOPS = {
 
 
 def measure_cpu_peak_flops(
-    size: int = 2048, trials: int = 4, dtype: torch.dtype = torch.float32
+    size: int = 2048, trials: int = 4, dtype: torch.dtype = torch.float32, budget_s: float = 1.0
 ) -> float:
-    """This process's matmul rate in FLOP/s on ``size`` x ``size`` matrices of ``dtype``, with
-    the current ``torch.get_num_threads()``: the CPU's practical peak for MFU. The best of
-    ``trials`` timings of two products each, so a moment of contention (the other ranks starting
-    up on the same cores) does not lower the peak and push MFU above 1."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    """This process's matmul rate in FLOP/s on square matrices of ``dtype``, with the current
+    ``torch.get_num_threads()``: the CPU's practical peak for MFU.
+
+    The matrices grow from 128 by doubling up to ``size`` while one product stays under
+    ``budget_s`` seconds, so a CPU without native support for ``dtype`` (bf16 without
+    avx512_bf16/AMX runs about 1,000x slower than fp32) measures in seconds, not minutes. The
+    rate is the best of ``trials`` timings of two products each, so a moment of contention (the
+    other ranks starting up on the same cores) does not lower the peak and push MFU above 1.
+    """
+    side = 128
+    a, b = torch.randn(side, side, dtype=dtype), torch.randn(side, side, dtype=dtype)
+    while side < size:
+        start = time.perf_counter()
+        a @ b  # also the warm-up of the size finally timed
+        if (time.perf_counter() - start) * 8 > budget_s:  # the next size costs 8x
+            break
+        side *= 2
+        a, b = torch.randn(side, side, dtype=dtype), torch.randn(side, side, dtype=dtype)
     a @ b  # warm-up
     best = 0.0
     for _ in range(trials):
         start = time.perf_counter()
         a @ b
         a @ b
-        best = max(best, 4.0 * size**3 / (time.perf_counter() - start))
+        best = max(best, 4.0 * side**3 / (time.perf_counter() - start))
     return best
 
 
