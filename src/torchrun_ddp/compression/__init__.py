@@ -1,0 +1,36 @@
+"""Gradient compression for DDP: settings, DCT transform, comm hooks, per-rank state, wire bytes.
+
+``settings`` (methods and their parameters), ``transform`` (DCT-II basis, block layout), ``hooks``
+(one comm hook per method, :func:`register_compression`), ``state`` (error feedback, PowerSGD
+memories, ``state_dict``/``load_state_dict``), ``wire`` (bytes on the wire).
+"""
+
+from torchrun_ddp.compression.hooks import compression_hook, register_compression
+from torchrun_ddp.compression.settings import (
+    METHODS,
+    TOPK_VALUE_DTYPES,
+    CompressionSettings,
+    kept_coefficients,
+    validate_settings,
+)
+from torchrun_ddp.compression.state import CompressionState, powersgd_slices
+from torchrun_ddp.compression.transform import BlockLayout, block_layout, dct_basis, index_dtype
+from torchrun_ddp.compression.wire import dct_payload_bytes, topk_payload_bytes
+
+__all__ = [
+    "METHODS",
+    "TOPK_VALUE_DTYPES",
+    "BlockLayout",
+    "CompressionSettings",
+    "CompressionState",
+    "block_layout",
+    "compression_hook",
+    "dct_basis",
+    "dct_payload_bytes",
+    "index_dtype",
+    "kept_coefficients",
+    "powersgd_slices",
+    "register_compression",
+    "topk_payload_bytes",
+    "validate_settings",
+]
