@@ -54,6 +54,7 @@ from torchrun_ddp.config import TrainConfig, save_config
 from torchrun_ddp.distributed import (
     DistEnv,
     init_distributed,
+    new_node_groups,
     pick_device,
     setup_logging,
     shutdown_distributed,
@@ -145,6 +146,8 @@ def compression_settings(config: TrainConfig) -> CompressionSettings:
         start_step=config.compression_start_step,
         powersgd_rank=config.powersgd_rank,
         topk_value_dtype=config.compression_value_dtype,
+        selection=config.compression_selection,
+        scope=config.compression_scope,
     )
     try:
         validate_settings(settings)
@@ -157,6 +160,12 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     """Check the model, memory plan, tokenizer, data paths and compression settings; raises
     UserError on the first problem."""
     compression_settings(config)
+    if config.compression_scope == "inter-node" and env.world_size % env.local_world_size:
+        raise UserError(
+            f"--compression-scope inter-node needs the same ranks on every node, but WORLD_SIZE "
+            f"{env.world_size} is not a multiple of LOCAL_WORLD_SIZE {env.local_world_size}; "
+            "use --compression-scope global"
+        )
     model_config = load_model_config(config.model)
     limit = max_positions(model_config)
     if limit and config.seq_length > limit:
@@ -283,7 +292,7 @@ def run(config: TrainConfig, env: DistEnv) -> None:
 
 
 def build_ddp_model(
-    config: TrainConfig, device: torch.device, inputs: Inputs
+    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv
 ) -> tuple[PreTrainedModel, DistributedDataParallel, CompressionState]:
     """The model, its DDP wrapper with the compression comm hook, and the hook's state."""
     model = build_model(
@@ -298,7 +307,10 @@ def build_ddp_model(
         config.gradient_as_bucket_view,
         config.ddp_static_graph,
     )
-    compression = register_compression(ddp_model, compression_settings(config))
+    node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
+    compression = register_compression(
+        ddp_model, compression_settings(config), node_groups=node_groups
+    )
     if config.compile:
         compile_model(ddp_model)
     return model, ddp_model, compression
@@ -308,7 +320,7 @@ def build_trainer(
     config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs
 ) -> Trainer:
     """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
-    model, ddp_model, compression = build_ddp_model(config, device, inputs)
+    model, ddp_model, compression = build_ddp_model(config, device, inputs, env)
     optimizer = build_optimizer(
         model,
         config.learning_rate,
@@ -541,6 +553,7 @@ class Window:
         self.steps = 0
         self.comm_bytes = 0
         self.comm_bytes_dense = 0
+        self.comm_bytes_collective = 0
         self.step_time = 0.0
         self.data_time = 0.0
 
@@ -551,9 +564,10 @@ class Window:
         self.steps += 1
         self.data_time += data_time
         self.step_time += step_time
-        sent, dense = self.trainer.compression.pop_step_bytes()
-        self.comm_bytes += sent
-        self.comm_bytes_dense += dense
+        counts = self.trainer.compression.pop_step_bytes()
+        self.comm_bytes += counts.wire
+        self.comm_bytes_dense += counts.dense
+        self.comm_bytes_collective += counts.collective
 
     def flush(self, step: int) -> Record:
         """Mean loss over the window and the ranks, throughput and memory; then reset."""
@@ -572,6 +586,7 @@ class Window:
             "peak_mem_bytes": peak_memory_bytes(trainer.device),
             "comm_bytes": self.comm_bytes // self.steps,
             "comm_bytes_dense": self.comm_bytes_dense // self.steps,
+            "comm_bytes_collective": self.comm_bytes_collective // self.steps,
             "compression_ratio": self.comm_bytes_dense / max(1, self.comm_bytes),
         }
         self.reset()

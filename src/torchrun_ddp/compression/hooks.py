@@ -40,16 +40,19 @@ the collectives of consecutive buckets identically on all ranks. On NCCL the wai
 streams and does not block the host.
 """
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from torchrun_ddp.compression.settings import (
-    FP32_BYTES,
     POWERSGD_MIN_RATE,
     TOPK_VALUE_DTYPES,
     CompressionSettings,
+    keeps_residual,
     kept_coefficients,
     validate_settings,
 )
@@ -60,7 +63,16 @@ from torchrun_ddp.compression.state import (
     cached_plan,
     powersgd_slices,
 )
-from torchrun_ddp.compression.transform import BlockLayout, block_layout, dct_basis, index_dtype
+from torchrun_ddp.compression.transform import (
+    block_layout,
+    dct_basis,
+    index_dtype,
+    kept_frequencies,
+)
+from torchrun_ddp.compression.wire import dense_wire_bytes
+
+if TYPE_CHECKING:
+    from torchrun_ddp.distributed import NodeGroups
 
 
 def _group(state: CompressionState) -> dist.ProcessGroup:
@@ -70,51 +82,114 @@ def _group(state: CompressionState) -> dist.ProcessGroup:
     return group
 
 
+def _average(
+    state: CompressionState, values: torch.Tensor, wire_dtype: torch.dtype
+) -> torch.futures.Future[torch.Tensor]:
+    """Mean of ``values`` (any shape, float) over all ranks, sent as ``wire_dtype``.
+
+    The future's value has the shape and dtype of ``values`` and is bit-identical on all ranks.
+    Every rank divides by the world size first (so 16-bit sums cannot overflow), casts to
+    ``wire_dtype`` and sums with one all-reduce (``scope = "global"``; gloo and NCCL both reduce
+    float16 and bfloat16), or with :func:`_node_aware_sum` (``scope = "inter-node"``). When the
+    wire dtype equals ``values.dtype`` the global path divides ``values`` in place and reduces it.
+    """
+    world = state.world_size
+    if state.settings.scope == "inter-node":
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(_node_aware_sum(state, values.div(world), wire_dtype).to(values.dtype))
+        return done
+    same = wire_dtype == values.dtype
+    send = values.div_(world) if same else values.div(world).to(wire_dtype)
+    if wire_dtype == torch.bfloat16 and state.bf16_transport == "all_gather":
+        return _gather_sum(state, send, values.dtype)
+    state.count("all_reduce", send.numel() * send.element_size(), _group(state))
+    work = dist.all_reduce(send, group=_group(state), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].to(values.dtype))
+
+
+def _node_aware_sum(
+    state: CompressionState, values: torch.Tensor, wire_dtype: torch.dtype
+) -> torch.Tensor:
+    """Sum ``values`` over all ranks in three collectives; returns a new tensor of its shape.
+
+    1. reduce-scatter inside the node in the dtype of ``values`` (the node's sum, one shard of
+       ``ceil(numel / local_world_size)`` values per local rank; fast links);
+    2. all-reduce of the shard cast to ``wire_dtype`` between nodes, among the ranks with the same
+       local rank (the only traffic on the slow links);
+    3. all-gather of the summed shards inside the node.
+
+    The two-level scheme of hierarchical all-reduce (e.g. Jia et al. 2018, "Highly Scalable Deep
+    Learning Training System with Mixed-Precision", arXiv:1807.11205). Each step waits for its
+    collective: issuing later collectives from completion callbacks would let gloo pair different
+    buckets' collectives across ranks (see the module docstring), so these buckets do not overlap
+    backward on gloo.
+    """
+    groups = state.node_groups
+    assert groups is not None
+    flat = values.reshape(-1)
+    local = groups.local_world_size
+    padded = math.ceil(flat.numel() / local) * local
+    if padded != flat.numel():
+        flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
+    shard = flat.new_empty(padded // local)
+    state.count("reduce_scatter", flat.numel() * flat.element_size(), groups.intra)
+    dist.reduce_scatter_tensor(shard, flat, group=groups.intra)
+    wire = shard.to(wire_dtype)
+    state.count("all_reduce", wire.numel() * wire.element_size(), groups.inter)
+    dist.all_reduce(wire, group=groups.inter)
+    shard.copy_(wire)
+    gathered = flat.new_empty(padded)
+    state.count("all_gather", shard.numel() * shard.element_size(), groups.intra)
+    dist.all_gather_into_tensor(gathered, shard, group=groups.intra)
+    return gathered[: values.numel()].view(values.shape)
+
+
+def _gather_sum(
+    state: CompressionState, send: torch.Tensor, out_dtype: torch.dtype
+) -> torch.futures.Future[torch.Tensor]:
+    """Lossless 16-bit transport for backends without a 16-bit reduction: all-gather raw bytes,
+    sum the rows in fp32 in rank order on every rank (bit-identical everywhere)."""
+    payload = send.reshape(-1).view(torch.uint8)
+    gathered = payload.new_empty(state.world_size * payload.numel())
+    state.count("all_gather", payload.numel(), _group(state))
+    work = dist.all_gather_into_tensor(gathered, payload, group=_group(state), async_op=True)
+
+    def unpack(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        rows = gathered.view(state.world_size, -1).view(send.dtype)
+        return rows.float().sum(0).view(send.shape).to(out_dtype)
+
+    return work.get_future().then(unpack)
+
+
+def _copy_into(
+    buffer: torch.Tensor, fut: torch.futures.Future[torch.Tensor]
+) -> torch.futures.Future[torch.Tensor]:
+    return fut.then(lambda done: buffer.copy_(done.value()))
+
+
 def _dense_hook(
     state: CompressionState, buffer: torch.Tensor
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average by all-reduce (division first, so fp16 buffers cannot overflow)."""
-    buffer.div_(state.world_size)
-    state.comm_bytes += buffer.numel() * buffer.element_size()
-    work = dist.all_reduce(buffer, group=_group(state), async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    """Dense mean of the bucket in its own dtype (global scope: in place)."""
+    averaged = _average(state, buffer, buffer.dtype)
+    return averaged if state.settings.scope == "global" else _copy_into(buffer, averaged)
 
 
 def _half_hook(
     state: CompressionState, buffer: torch.Tensor, dtype: torch.dtype
 ) -> torch.futures.Future[torch.Tensor]:
     """fp16/bf16: divide in the buffer's precision, cast, reduce, cast back into ``buffer``."""
-    send = buffer.div(state.world_size).to(dtype)
-    state.comm_bytes += send.numel() * send.element_size()
-    if dtype == torch.bfloat16 and state.bf16_transport == "all_gather":
-        return _gather_half(state, buffer, send)
-    work = dist.all_reduce(send, group=_group(state), async_op=True)
-
-    def unpack(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        return buffer.copy_(fut.value()[0])
-
-    return work.get_future().then(unpack)
-
-
-def _gather_half(
-    state: CompressionState, buffer: torch.Tensor, send: torch.Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    """Lossless 16-bit transport for backends without a 16-bit reduction: gather raw bytes."""
-    payload = send.view(torch.uint8)
-    gathered = payload.new_empty(state.world_size * payload.numel())
-    work = dist.all_gather_into_tensor(gathered, payload, group=_group(state), async_op=True)
-
-    def unpack(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        rows = gathered.view(state.world_size, -1).view(send.dtype)
-        return buffer.copy_(rows.float().sum(0))
-
-    return work.get_future().then(unpack)
+    return _copy_into(buffer, _average(state, buffer, dtype))
 
 
 def _prepare_blocks(
     state: CompressionState, bucket: dist.GradBucket
 ) -> tuple[BlockPlan, torch.Tensor, torch.Tensor]:
-    """Plan, the fp32 gradient plus residual [numel], and its blocks [n_blocks, block_size]."""
+    """Plan, the fp32 gradient plus residual [numel], and its blocks [n_blocks, block_size].
+
+    Without a residual an fp32 buffer is used as it is (no copy); it is overwritten only when the
+    averaged result arrives.
+    """
     buffer = bucket.buffer()
 
     def build() -> BlockPlan:
@@ -124,12 +199,13 @@ def _prepare_blocks(
         return BlockPlan(slices, block_layout(starts, buffer.numel(), size, buffer.device))
 
     plan = cached_plan(state._block_plans, bucket, build)
+    if not keeps_residual(state.settings):
+        return plan, buffer, plan.layout.to_blocks(buffer.to(torch.float32))
     grad = buffer.to(torch.float32, copy=True)
-    if state.settings.error_feedback:
-        store = state._residuals
-        residual = store.fetch(bucket.index(), plan.slices, state.step, grad, require_all=False)
-        if residual is not None:
-            grad[: residual.numel()] += residual
+    store = state._residuals
+    residual = store.fetch(bucket.index(), plan.slices, state.step, grad, require_all=False)
+    if residual is not None:
+        grad[: residual.numel()] += residual
     return plan, grad, plan.layout.to_blocks(grad)
 
 
@@ -143,61 +219,37 @@ def _keep_residual(
 def _dct_hook(
     state: CompressionState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Low-pass DCT: all-reduce the ``k`` lowest-frequency coefficients of every block.
+    """DCT with a selection shared by all ranks: all-reduce ``k`` coefficients of every block.
 
-    The kept set is the same on every rank and the transform is linear, so the average of the
-    compressed gradients equals the compression (projection onto the kept coefficients) of the
-    average gradient; with ``ratio == 1`` it is the exact mean up to fp32 rounding.
+    The kept frequencies (:func:`kept_frequencies`: low-pass, or rotating with the step) are the
+    same on every rank and the transform is linear, so the average of the compressed gradients
+    equals the compression (projection onto the kept coefficients) of the average gradient; with
+    ``ratio == 1`` it is the exact mean up to rounding. The coefficients [n_blocks, k] travel in
+    ``topk_value_dtype`` through one all-reduce (:func:`_average`), so the wire bytes per rank
+    are ``2 (W - 1) / W`` of the payload at any world size ``W``.
 
-    With a 16-bit ``topk_value_dtype`` each rank rounds its coefficients, keeps the rounding
-    error in its error-feedback residual and all-gathers the 16-bit values
-    (:func:`_gather_coeffs`); the result is then the projection of the mean of the rounded
-    coefficients, and half the bytes.
+    Rotating selection with error feedback keeps on each rank the gradient minus its own sent
+    part (16-bit global scope: minus its own rounded part), which the next steps' selections
+    send; every frequency comes round within ``ceil(block_size / k)`` steps, so the residual
+    stays bounded. Low-pass keeps no residual (see ``CompressionSettings.error_feedback``).
     """
     buffer = bucket.buffer()
+    settings = state.settings
     plan, grad, blocks = _prepare_blocks(state, bucket)
     layout = plan.layout
-    low = dct_basis(layout.block_size, buffer.device)[: kept_coefficients(state.settings)]
-    coeffs = blocks @ low.T
-    value_dtype = TOPK_VALUE_DTYPES[state.settings.topk_value_dtype]
-    if value_dtype != torch.float32:
-        coeffs = coeffs.to(value_dtype)
-    if state.settings.error_feedback:
-        _keep_residual(state, bucket, plan, grad - layout.from_blocks(coeffs.float() @ low))
-    state.comm_bytes += coeffs.numel() * coeffs.element_size()
-    if value_dtype != torch.float32:
-        return _gather_coeffs(state, buffer, layout, low, coeffs)
-    work = dist.all_reduce(coeffs, group=_group(state), async_op=True)
-
-    def decode(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        mean = fut.value()[0].div_(state.world_size)
-        return buffer.copy_(layout.from_blocks(mean @ low))
-
-    return work.get_future().then(decode)
-
-
-def _gather_coeffs(
-    state: CompressionState,
-    buffer: torch.Tensor,
-    layout: BlockLayout,
-    low: torch.Tensor,
-    coeffs: torch.Tensor,
-) -> torch.futures.Future[torch.Tensor]:
-    """16-bit ``dct``: all-gather every rank's rounded coefficients [n_blocks, k] as raw bytes.
-
-    Every rank sums the gathered rows in fp32 in rank order, so all ranks get bit-identical
-    results and nothing is rounded after the rank's own cast (which error feedback carries).
-    """
-    payload = coeffs.reshape(-1).view(torch.uint8)
-    gathered = payload.new_empty(state.world_size * payload.numel())
-    work = dist.all_gather_into_tensor(gathered, payload, group=_group(state), async_op=True)
-
-    def decode(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        rows = gathered.view(state.world_size, -1).view(coeffs.dtype).float()
-        mean = rows.sum(0).div_(state.world_size).view(coeffs.shape)
-        return buffer.copy_(layout.from_blocks(mean @ low))
-
-    return work.get_future().then(decode)
+    freqs = kept_frequencies(
+        layout.block_size, kept_coefficients(settings), state.step, settings.selection, grad.device
+    )
+    kept = dct_basis(layout.block_size, buffer.device)[freqs]
+    coeffs = blocks @ kept.T
+    value_dtype = TOPK_VALUE_DTYPES[settings.topk_value_dtype]
+    if keeps_residual(settings):
+        own = coeffs
+        if value_dtype != torch.float32 and settings.scope == "global":
+            own = (coeffs / state.world_size).to(value_dtype).float() * state.world_size
+        _keep_residual(state, bucket, plan, grad - layout.from_blocks(own @ kept))
+    averaged = _average(state, coeffs, value_dtype)
+    return averaged.then(lambda fut: buffer.copy_(layout.from_blocks(fut.value() @ kept)))
 
 
 def _pack_topk(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -245,12 +297,12 @@ def _topk_hook(
     indices = coeffs.abs().topk(state.settings.topk, dim=1, sorted=False).indices
     value_dtype = TOPK_VALUE_DTYPES[state.settings.topk_value_dtype]
     values = coeffs.gather(1, indices).to(value_dtype)
-    if state.settings.error_feedback:
+    if keeps_residual(state.settings):
         own = torch.zeros_like(coeffs).scatter_(1, indices, values.float())
         _keep_residual(state, bucket, plan, grad - layout.from_blocks(own @ basis))
     wire_index = index_dtype(layout.block_size)
     payload = _pack_topk(values, indices.to(wire_index))
-    state.comm_bytes += payload.numel()
+    state.count("all_gather", payload.numel(), _group(state))
     gathered = payload.new_empty(state.world_size * payload.numel())
     work = dist.all_gather_into_tensor(gathered, payload, group=_group(state), async_op=True)
     shape = (layout.n_blocks, state.settings.topk)
@@ -324,7 +376,7 @@ def _powersgd_hook(
     fut = powerSGD_hook(power, bucket)
     fut.wait()
     sent = power.total_numel_after_compression - before if compressing else buffer.numel()
-    state.comm_bytes += sent * buffer.element_size()
+    state.count("all_reduce", sent * buffer.element_size(), _group(state))
     if layout is not None:
         for store, slices in zip(state._ps_stores, (layout.error, layout.p, layout.q), strict=True):
             if bucket.index() in store.tensors:
@@ -343,7 +395,7 @@ def compression_hook(
     """
     state.hook_calls += 1
     buffer = bucket.buffer()
-    state.comm_bytes_dense += buffer.numel() * FP32_BYTES
+    state.comm_bytes_dense += dense_wire_bytes(buffer.numel(), state.world_size)
     method = state.settings.method
     try:
         if method == "powersgd":
@@ -375,17 +427,21 @@ def register_compression(
     model: DistributedDataParallel,
     settings: CompressionSettings,
     process_group: dist.ProcessGroup | None = None,
+    node_groups: "NodeGroups | None" = None,
 ) -> CompressionState:
     """Validate ``settings``, register :func:`compression_hook` on ``model``, return its state.
 
-    Call on every rank, after constructing the DDP model and before the first backward. Raises
-    ``ValueError`` for bad settings (one line naming the field and the fix) and whatever
-    ``register_comm_hook`` raises (e.g. a hook already registered). For ``bf16`` on gloo this
-    runs one tiny all-reduce to see whether gloo reduces bfloat16 (else the all-gather transport).
+    Call on every rank, after constructing the DDP model and before the first backward.
+    ``node_groups`` (``distributed.new_node_groups``) is needed for ``scope = "inter-node"``.
+    Raises ``ValueError`` for bad settings (one line naming the field and the fix) and whatever
+    ``register_comm_hook`` raises (e.g. a hook already registered). For bfloat16 on the wire
+    (``bf16``, or ``dct`` with bfloat16 values) on gloo this runs one tiny all-reduce to see
+    whether gloo reduces bfloat16 (else the all-gather transport; gloo in torch 2.15 reduces it).
     """
     validate_settings(settings)
-    state = CompressionState(settings, model.parameters(), process_group)
-    if settings.method == "bf16":
+    state = CompressionState(settings, model.parameters(), process_group, node_groups)
+    bf16_values = settings.method == "dct" and settings.topk_value_dtype == "bfloat16"
+    if settings.method == "bf16" or bf16_values:
         device = next(model.parameters()).device
         native = _bf16_reduces(_group(state), device)
         state.bf16_transport = "all_reduce" if native else "all_gather"

@@ -7,9 +7,12 @@ bucket layout changes and in :meth:`CompressionState.state_dict`, so they surviv
 and a resume into a differently bucketed process. No state is kept while ``step < start_step``.
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -21,9 +24,23 @@ from torchrun_ddp.compression.settings import (
     POWERSGD_MIN_RATE,
     POWERSGD_MIN_START,
     CompressionSettings,
+    keeps_residual,
     validate_settings,
 )
 from torchrun_ddp.compression.transform import BlockLayout
+from torchrun_ddp.compression.wire import wire_bytes
+
+if TYPE_CHECKING:
+    from torchrun_ddp.distributed import NodeGroups
+
+
+class StepBytes(NamedTuple):
+    """One step's communication on one rank, in bytes (see :class:`CompressionState`)."""
+
+    wire: int
+    dense: int
+    collective: int
+
 
 Slices = tuple[tuple[int, int, int], ...]
 """Per parameter: (parameter index, start, length) inside a flat per-bucket tensor."""
@@ -149,10 +166,12 @@ class CompressionState:
     """State of :func:`compression_hook` on one rank; create it with :func:`register_compression`.
 
     Byte counters cover the current optimizer step on this rank (see :meth:`pop_step_bytes`):
-    ``comm_bytes`` is what was handed to collectives (``numel * element_size`` of every input,
-    indices included; for all-gather the rank's own contribution, not the gathered output),
-    ``comm_bytes_dense`` what a dense fp32 all-reduce of the same buckets would hand over
-    (``numel * 4``). ``hook_calls`` counts hook invocations since creation; ``step`` counts
+    ``comm_bytes`` is what this rank sends on the wire under the ring model of
+    :mod:`torchrun_ddp.compression.wire` (every collective of every bucket, in its group),
+    ``comm_bytes_dense`` what a dense fp32 ring all-reduce of the same buckets over all
+    ``world_size`` ranks would send, and ``comm_bytes_collective`` the bytes handed to
+    collectives (``numel * element_size`` of every input; for all-gather the rank's own
+    contribution). ``hook_calls`` counts hook invocations since creation; ``step`` counts
     optimizer steps seen (incremented on the last bucket of each backward pass).
     """
 
@@ -161,17 +180,24 @@ class CompressionState:
         settings: CompressionSettings,
         parameters: Iterable[torch.nn.Parameter],
         process_group: dist.ProcessGroup | None = None,
+        node_groups: NodeGroups | None = None,
     ) -> None:
         """``parameters``: the DDP model's ``parameters()``, whose order numbers checkpoint keys.
 
-        Raises ``ValueError`` for invalid settings. Needs an initialised process group.
+        ``node_groups``: the intra- and inter-node groups, needed for ``scope = "inter-node"``.
+        Raises ``ValueError`` for invalid settings or a missing ``node_groups``. Needs an
+        initialised process group.
         """
         validate_settings(settings)
+        if settings.scope == "inter-node" and node_groups is None:
+            raise ValueError("compression scope inter-node needs the intra- and inter-node groups")
         self.settings = settings
         self.process_group = process_group
+        self.node_groups = node_groups
         self.world_size = dist.get_world_size(process_group)
-        self.comm_bytes = 0
-        self.comm_bytes_dense = 0
+        self.comm_bytes = 0.0
+        self.comm_bytes_dense = 0.0
+        self.comm_bytes_collective = 0
         self.hook_calls = 0
         self.step = 0
         self.bf16_transport = "all_reduce"
@@ -200,19 +226,29 @@ class CompressionState:
             BucketStore(state.q_memory_dict),
         )
 
-    def pop_step_bytes(self) -> tuple[int, int]:
-        """Return ``(comm_bytes, comm_bytes_dense)`` in bytes and reset both to 0."""
-        counts = (self.comm_bytes, self.comm_bytes_dense)
-        self.comm_bytes = 0
-        self.comm_bytes_dense = 0
+    def count(self, collective: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
+        """Record one collective of ``nbytes`` input bytes (all-gather: this rank's part)."""
+        self.comm_bytes_collective += nbytes
+        self.comm_bytes += wire_bytes(collective, nbytes, dist.get_world_size(group))
+
+    def pop_step_bytes(self) -> StepBytes:
+        """Return this step's byte counts (rounded to whole bytes) and reset them to 0."""
+        counts = StepBytes(
+            round(self.comm_bytes), round(self.comm_bytes_dense), self.comm_bytes_collective
+        )
+        self.comm_bytes = 0.0
+        self.comm_bytes_dense = 0.0
+        self.comm_bytes_collective = 0
         return counts
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat ``{name: tensor}``: loadable by safetensors and ``torch.load(weights_only=True)``.
 
         Keys: ``step`` (int64 scalar); ``residual.<i>`` (fp32, flat, error feedback of parameter i
-        in ``model.parameters()`` order); for powersgd ``powersgd.{error,p,q}.<i>`` and
-        ``powersgd.rng.*`` (the numpy RNG that seeds fresh Q factors).
+        in ``model.parameters()`` order; only methods that keep residuals, see
+        :func:`~torchrun_ddp.compression.settings.keeps_residual`); for powersgd
+        ``powersgd.{error,p,q}.<i>`` and ``powersgd.rng.*`` (the numpy RNG that seeds fresh Q
+        factors).
         """
         out = {"step": torch.tensor(self.step, dtype=torch.int64)}
         for index, piece in self._residuals.export().items():
@@ -225,9 +261,14 @@ class CompressionState:
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor | int]) -> None:
-        """Restore from :meth:`state_dict` output; buckets pick their pieces up lazily."""
+        """Restore from :meth:`state_dict` output; buckets pick their pieces up lazily.
+
+        Residuals saved by a method that no longer keeps them (low-pass ``dct`` checkpoints from
+        before it dropped its dead residual) are ignored: they were never sent.
+        """
         self.step = int(state["step"])
-        self._residuals.load(_pieces(state, "residual."))
+        if keeps_residual(self.settings):
+            self._residuals.load(_pieces(state, "residual."))
         if self._powersgd is None or self._ps_stores is None:
             return
         self._powersgd.iter = self.step

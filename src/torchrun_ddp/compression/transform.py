@@ -87,3 +87,20 @@ def block_layout(
     shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(lengths, 0) - lengths)
     positions = torch.arange(numel) + torch.repeat_interleave(shift, lengths)
     return BlockLayout(numel, block_size, n_blocks, positions.to(device))
+
+
+def kept_frequencies(
+    block_size: int, kept: int, step: int, selection: str, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """DCT frequencies ``dct`` sends at optimizer ``step``: int64 [kept], the same on all ranks.
+
+    ``low-pass``: ``0 .. kept - 1`` at every step. ``rotating``: ``(step * kept + j) mod
+    block_size`` for ``j < kept``, a cyclic walk through all frequencies: each one is sent at
+    least once in every ``ceil(block_size / kept)`` consecutive steps, so an error-feedback
+    residual holds at most that many steps of gradient (cyclic coordinate selection, as in the
+    block-coordinate methods of Nesterov 2012, "Efficiency of coordinate descent methods").
+    """
+    offsets = torch.arange(kept, dtype=torch.int64, device=device)
+    if selection == "low-pass":
+        return offsets
+    return (offsets + step * kept) % block_size
