@@ -141,9 +141,7 @@ class TrainConfig:
         choices=["global", "inter-node"],
     )
     plan_world_size: int = _opt(0, "--dry-run: ranks to plan for; 0 means WORLD_SIZE.")
-    plan_gpus_per_node: int = _opt(
-        0, "--dry-run: ranks per node for the communication plan; 0 means LOCAL_WORLD_SIZE."
-    )
+    plan_gpus_per_node: int = _opt(8, "--dry-run: ranks per node for the communication plan.")
     plan_intra_node_gbit: float = _opt(
         2400.0, "--dry-run: link bandwidth between ranks of one node, Gbit/s per direction."
     )
@@ -327,7 +325,8 @@ _NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_l
 _NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every", "compression_start_step")
 _NON_NEGATIVE += ("device_memory_gib",)
 _POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit", "plan_tflops")
-_NON_NEGATIVE += ("plan_world_size", "plan_gpus_per_node")
+_POSITIVE += ("plan_gpus_per_node",)
+_NON_NEGATIVE += ("plan_world_size",)
 
 
 def validate(config: TrainConfig) -> None:

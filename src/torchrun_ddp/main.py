@@ -50,6 +50,12 @@ from torchrun_ddp.compression import (
     register_compression,
     validate_settings,
 )
+from torchrun_ddp.compression.plan import (
+    Topology,
+    communication_table,
+    reference_methods,
+    state_bytes,
+)
 from torchrun_ddp.config import TrainConfig, save_config
 from torchrun_ddp.distributed import (
     DistEnv,
@@ -209,7 +215,14 @@ def plan_run(
     """This run's per-rank memory plan (parameters counted on the meta device) and, when it does
     not fit, the setting changes that would make it fit."""
     sizes = parameter_sizes(meta_model(model_config))
-    settings = plan_settings(config, world_size, memory_gib)
+    state, buffers = state_bytes(
+        compression_settings(config), sizes, world_size, config.ddp_bucket_cap_mb * 2**20
+    )
+    settings = dataclasses.replace(
+        plan_settings(config, world_size, memory_gib),
+        compression_state_bytes=state,
+        compression_buffer_bytes=buffers,
+    )
     plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
     if plan.fits:
         return plan, []
@@ -228,7 +241,7 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     else:
         model_config = load_model_config(config.model)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
-    plan, hints = plan_run(config, model_config, env.world_size, memory)
+    plan, hints = plan_run(config, model_config, config.plan_world_size or env.world_size, memory)
     lines = [
         f"model {config.model}: {plan.parameters:,} parameters, "
         f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
@@ -238,7 +251,33 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     if hints:
         lines.append("would fit with:")
         lines.extend(f"  {hint}" for hint in hints)
+    lines.append(communication_plan(config, env, model_config, plan.flops_per_token))
     return "\n".join(lines)
+
+
+def communication_plan(
+    config: TrainConfig, env: DistEnv, model_config: PretrainedConfig, flops_per_token: float
+) -> str:
+    """Wire bytes and predicted times per step of this run's method and the reference methods
+    (``compression.plan``), for --plan-world-size ranks (else WORLD_SIZE), --plan-gpus-per-node
+    and the --plan-*-gbit links; compute at --plan-tflops per rank."""
+    world = config.plan_world_size or env.world_size
+    per_node = min(config.plan_gpus_per_node, world)
+    topo = Topology(
+        world, per_node, config.plan_intra_node_gbit * 1e9, config.plan_inter_node_gbit * 1e9
+    )
+    tokens = config.batch_size * config.seq_length * config.accumulation_steps
+    compute_s = tokens * flops_per_token / (config.plan_tflops * 1e12)
+    run_method = compression_settings(config)
+    methods = [run_method, *reference_methods(config.compression_block_size)]
+    header = (
+        f"communication plan: {world} ranks = {topo.nodes} node(s) x {per_node}, links "
+        f"{config.plan_intra_node_gbit:g} Gbit/s in a node, {config.plan_inter_node_gbit:g} "
+        f"Gbit/s between nodes; compute {compute_s:.4g} s per step ({tokens} tokens per rank at "
+        f"{config.plan_tflops:g} TFLOP/s); first row: this run's --compression"
+    )
+    sizes = parameter_sizes(meta_model(model_config))
+    return "\n".join([header, communication_table(methods, sizes, topo, compute_s)])
 
 
 def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv) -> None:

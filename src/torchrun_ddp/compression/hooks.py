@@ -93,18 +93,18 @@ def _average(
     float16 and bfloat16), or with :func:`_node_aware_sum` (``scope = "inter-node"``). When the
     wire dtype equals ``values.dtype`` the global path divides ``values`` in place and reduces it.
     """
-    world = state.world_size
+    world, dtype = state.world_size, values.dtype
     if state.settings.scope == "inter-node":
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(_node_aware_sum(state, values.div(world), wire_dtype).to(values.dtype))
+        done.set_result(_node_aware_sum(state, values.div(world), wire_dtype).to(dtype))
         return done
-    same = wire_dtype == values.dtype
-    send = values.div_(world) if same else values.div(world).to(wire_dtype)
+    send = values.div_(world) if wire_dtype == dtype else values.div(world).to(wire_dtype)
+    del values  # a 16-bit payload must not keep its fp32 source alive while it is in flight
     if wire_dtype == torch.bfloat16 and state.bf16_transport == "all_gather":
-        return _gather_sum(state, send, values.dtype)
+        return _gather_sum(state, send, dtype)
     state.count("all_reduce", send.numel() * send.element_size(), _group(state))
     work = dist.all_reduce(send, group=_group(state), async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0].to(values.dtype))
+    return work.get_future().then(lambda fut: fut.value()[0].to(dtype))
 
 
 def _node_aware_sum(
