@@ -442,10 +442,20 @@ def footnote(args: argparse.Namespace, results: Results) -> str:
         f"steps, {args.repeats} run(s) per cell; wire bytes: what rank 0 sends per step under "
         "the ring model (all links; node-aware rows include the loopback reduce-scatter and "
         "all-gather inside the namespace); ring W=8/64: the ratio the same payload gives at 8 "
-        "and 64 ranks (all-gather methods fall as 2/W; node-aware: -). Predicted: the --dry-run "
-        "communication plan at the measured link rate, compute at --plan-tflops "
-        f"{args.plan_tflops:g} TFLOP/s per rank. All ranks share 2 cores with whatever else "
-        "runs here, so step times vary by about +-30% from run to run."
+        "and 64 ranks (all-gather methods fall as 2/W; node-aware: -). All ranks share 2 cores "
+        "with whatever else runs here, so step times vary by about +-30% from run to run."
+        + _prediction_note(args)
+    )
+
+
+def _prediction_note(args: argparse.Namespace) -> str:
+    """The footnote's sentence on the predicted column (empty without --plan-tflops)."""
+    if not args.plan_tflops:
+        return ""
+    return (
+        " Predicted: the --dry-run communication plan (compression.plan) at the measured link "
+        f"rate, compute at --plan-tflops {args.plan_tflops:g} TFLOP/s per rank; in brackets "
+        "its difference from the measured step."
     )
 
 
