@@ -13,12 +13,18 @@ so that the step is dominated by communication, the regime gradient compression 
 table's footnote prints the setting. With tiny.toml's 4 x 256 tokens the forward and backward
 pass alone takes seconds on this 2-core machine and hides most of the difference.
 
+``--procs-per-node 2`` runs 2 ranks in each namespace (2 nodes x 2: loopback inside a node, the
+limited veth between nodes), for the node-aware scope (``-node`` methods). ``--plan-tflops``
+adds the step time the ``--dry-run`` communication plan predicts for each run.
+
 Needs root (CAP_NET_ADMIN) and iproute2 (``ip``, ``tc``: ``apt-get install iproute2``).
 
 Usage (from the repository root)::
 
     uv run python benchmarks/bandwidth.py
     uv run python benchmarks/bandwidth.py --links 100mbit --methods none,dct-0.125 --steps 10
+    uv run python benchmarks/bandwidth.py --links 100mbit --procs-per-node 2 --steps 4 --warmup 2 \
+        --methods none,dct-0.25-bf16,dct-0.25-bf16-node --plan-tflops 0.01365
 """
 
 from __future__ import annotations

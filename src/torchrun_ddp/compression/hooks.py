@@ -13,12 +13,14 @@ module provides one hook, :func:`compression_hook`, that dispatches on
     Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning Training"). If a gloo build cannot
     reduce bfloat16 (older gloo, or gloo on CUDA tensors), ``bf16`` all-gathers the raw 16-bit
     patterns as bytes instead and sums them in fp32 on every rank; that transport is lossless.
+    With ``scope = "inter-node"`` these all-reduces become reduce-scatter inside the node,
+    all-reduce between nodes and all-gather inside the node (:func:`_node_aware_sum`).
 ``dct``
     Transform coding with the orthonormal DCT-II (Ahmed, Natarajan & Rao 1974, "Discrete Cosine
     Transform", IEEE Trans. Computers C-23): every parameter's gradient is cut into 1-D blocks of
-    ``block_size`` values, each block is transformed and only its ``k`` lowest-frequency
-    coefficients are all-reduced, like the low-pass quantisation of JPEG (Wallace 1991). With a
-    16-bit ``topk_value_dtype`` the coefficients are rounded and all-gathered instead.
+    ``block_size`` values, each block is transformed and ``k`` of its coefficients, the same on
+    every rank, are all-reduced in ``topk_value_dtype``: the lowest frequencies, like the
+    low-pass quantisation of JPEG (Wallace 1991), or a selection rotating with the step.
 ``dct-topk``
     Per block the ``topk`` largest-magnitude DCT coefficients are exchanged as (value, index)
     pairs with an all-gather, as in DeMo (Peng, Quesnelle & Kingma 2024, "DeMo: Decoupled
