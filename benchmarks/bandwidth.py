@@ -13,12 +13,18 @@ so that the step is dominated by communication, the regime gradient compression 
 table's footnote prints the setting. With tiny.toml's 4 x 256 tokens the forward and backward
 pass alone takes seconds on this 2-core machine and hides most of the difference.
 
+``--procs-per-node 2`` runs 2 ranks in each namespace (2 nodes x 2: loopback inside a node, the
+limited veth between nodes), for the node-aware scope (``-node`` methods). ``--plan-tflops``
+adds the step time the ``--dry-run`` communication plan predicts for each run.
+
 Needs root (CAP_NET_ADMIN) and iproute2 (``ip``, ``tc``: ``apt-get install iproute2``).
 
 Usage (from the repository root)::
 
     uv run python benchmarks/bandwidth.py
     uv run python benchmarks/bandwidth.py --links 100mbit --methods none,dct-0.125 --steps 10
+    uv run python benchmarks/bandwidth.py --links 100mbit --procs-per-node 2 --steps 4 --warmup 2 \
+        --methods none,dct-0.25-bf16,dct-0.25-bf16-node --plan-tflops 0.01365
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -54,11 +61,19 @@ from common import (
     median_after,
     pick_variants,
     read_metrics,
+    ring_ratio,
     start,
     summarise,
     train_env,
     wait_all,
 )
+
+from torchrun_ddp.compression import CompressionSettings
+from torchrun_ddp.compression.plan import Topology, estimate, predicted_step_seconds
+from torchrun_ddp.config import parse_config
+from torchrun_ddp.main import compression_settings
+from torchrun_ddp.memory_plan import meta_model, model_flops_per_token, parameter_sizes
+from torchrun_ddp.model import load_model_config
 
 DEFAULT_METHODS = "none,fp16,powersgd-4,dct-0.125,dct-0.25-bf16,dct-0.03,dct-topk-2"
 IP_TIMEOUT_S = 30.0
@@ -86,6 +101,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--batch-size", type=int, default=2, help="windows per rank per step (tiny.toml: 4)")
     add("--block-size", type=int, default=64, help="DCT block length for dct and dct-topk")
     add("--repeats", type=int, default=1, help="runs per (link, method), interleaved")
+    add("--procs-per-node", type=int, default=1, help="ranks per namespace (2: 2 nodes x 2)")
+    add(
+        "--plan-tflops",
+        type=float,
+        default=0.0,
+        help="sustained training TFLOP/s per rank for the predicted step time (the --dry-run "
+        "communication plan); 0: no prediction column",
+    )
     add("--subnet", default="10.77.0", help="first three octets of the two veth addresses")
     add("--data-dir", type=Path, default=SHARED_DATA, help="offline C4 sample and tokenizer")
     add("--timeout-s", type=float, default=0.0, help="per-run limit; 0: 240 s + 60 s per step")
@@ -127,6 +150,7 @@ class TwoNodes:
     """Two namespaces joined by a veth pair; ``create`` builds them, ``destroy`` removes them."""
 
     subnet: str
+    procs_per_node: int = 1
     tag: str = field(default_factory=lambda: str(os.getpid()))
     created: list[str] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -275,7 +299,8 @@ def node_command(nodes: TwoNodes, node: int, port: int, train: list[str]) -> lis
     """``ip netns exec`` + torchrun agent ``node`` (0: namespace A, which hosts the rendezvous)."""
     return [
         "ip", "netns", "exec", nodes.names[node],
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+        f"--nproc_per_node={nodes.procs_per_node}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={nodes.addrs[0]}:{port}",
         f"--rdzv_id=bw-{nodes.tag}-{port}", f"--rdzv_conf=is_host={int(node == 0)}",
         f"--local_addr={nodes.addrs[node]}",
@@ -348,20 +373,57 @@ def run_matrix(
 
 
 def table(args: argparse.Namespace, variants: list[Variant], results: Results) -> str:
-    """Markdown: bytes, ratio, and per link the median step time and the speed-up over none."""
+    """Markdown: wire bytes, ratio at the measured W and the ring ratio at W = 8 and 64, and per
+    link the median step time, the speed-up over none and (``--plan-tflops``) the prediction."""
     links = list(results.measured)
-    header = ["method", "bytes/step/rank", "ratio"]
-    header += [part for spec in links for part in (f"step s @ {spec}", f"vs none @ {spec}")]
+    world = 2 * args.procs_per_node
+    header = ["method", "wire bytes/step/rank", f"ratio W={world}", "ring W=8", "ring W=64"]
+    for spec in links:
+        header += [f"step s @ {spec}", f"vs none @ {spec}"]
+        header += [f"predicted s @ {spec}"] if args.plan_tflops else []
     rows = []
     for variant in variants:
         first = results.cells[(links[0], variant.name)].runs[-1]
         ratio = first.comm_bytes_dense / first.comm_bytes if first.comm_bytes else float("nan")
         row = [variant.label, human_bytes(first.comm_bytes), f"{ratio:.1f}x"]
+        for target in (8, 64):
+            ring = ring_ratio(first, variant, world, target)
+            row.append("-" if math.isnan(ring) else f"{ring:.2f}x")
         for spec in links:
             seconds = results.cells[(spec, variant.name)].step_time(args.warmup)
             row += [f"{seconds:.2f}", _speedup(args, results, spec, seconds)]
+            if args.plan_tflops:
+                predicted = predicted_step(args, variant, results.measured[spec])
+                row.append(f"{predicted:.2f} ({100 * (predicted / seconds - 1):+.0f}%)")
         rows.append(row)
     return markdown_table(header, rows)
+
+
+INTRA_NODE_BITS = 2e10
+"""Loopback inside one namespace, bit/s: far above the veth rates, so hardly matters."""
+
+
+def predicted_step(args: argparse.Namespace, variant: Variant, link_bits: float) -> float:
+    """The step time ``train.py --dry-run`` predicts for ``variant`` on this setup: the
+    communication plan (``torchrun_ddp.compression.plan``) with the measured link rate and
+    ``--plan-tflops`` per rank for forward and backward of the tiny LLaMA."""
+    config = load_model_config(str(REPO / "configs" / "llama-tiny" / "config.json"))
+    sizes = parameter_sizes(meta_model(config))
+    flops = model_flops_per_token(
+        sum(sizes), config.num_hidden_layers, config.hidden_size, args.seq_length
+    )
+    compute_s = flops * args.batch_size * args.seq_length / (args.plan_tflops * 1e12)
+    world = 2 * args.procs_per_node
+    topo = Topology(world, args.procs_per_node, INTRA_NODE_BITS, link_bits or INTRA_NODE_BITS)
+    settings = variant_settings(variant, args.block_size)
+    return predicted_step_seconds(estimate(settings, sizes, topo), compute_s)
+
+
+def variant_settings(variant: Variant, block_size: int) -> CompressionSettings:
+    """The CompressionSettings a variant's ``train.py`` flags select (through the trainer's
+    own parser, so the two cannot disagree)."""
+    config = parse_config(["--compression-block-size", str(block_size), *variant.flags])
+    return compression_settings(config)
 
 
 def _speedup(args: argparse.Namespace, results: Results, spec: str, seconds: float) -> str:
@@ -378,14 +440,29 @@ def footnote(args: argparse.Namespace, results: Results) -> str:
         f"{spec}: {bits / 1e6:.0f} Mbit/s" for spec, bits in results.measured.items()
     )
     return (
-        "Two network namespaces on one 2-core machine, one rank each (torchrun --nnodes 2 "
-        f"--nproc_per_node 1, gloo over a veth pair, --threads 1), tiny LLaMA (19.5M "
+        f"Two network namespaces on one 2-core machine, {args.procs_per_node} rank(s) each "
+        f"(torchrun --nnodes 2 --nproc_per_node {args.procs_per_node}, gloo over a veth pair "
+        "between the namespaces, loopback inside one, --threads 1), tiny LLaMA (19.5M "
         f"parameters), {args.batch_size} x {args.seq_length} tokens per rank per step. Link: tc "
         "tbf on both veth ends (each direction); measured TCP throughput before the runs: "
         f"{measured}. Step time: median over {args.steps} steps after {args.warmup} warm-up "
-        f"steps, {args.repeats} run(s) per cell; bytes: what rank 0 hands to collectives per "
-        "step. Both ranks share 2 cores with whatever else runs here, so step times vary by "
-        "about +-30% from run to run."
+        f"steps, {args.repeats} run(s) per cell; wire bytes: what rank 0 sends per step under "
+        "the ring model (all links; node-aware rows include the loopback reduce-scatter and "
+        "all-gather inside the namespace); ring W=8/64: the ratio the same payload gives at 8 "
+        "and 64 ranks (all-gather methods fall as 2/W; node-aware: -). All ranks share 2 cores "
+        "with whatever else runs here, so step times vary by about +-30% from run to run."
+        + _prediction_note(args)
+    )
+
+
+def _prediction_note(args: argparse.Namespace) -> str:
+    """The footnote's sentence on the predicted column (empty without --plan-tflops)."""
+    if not args.plan_tflops:
+        return ""
+    return (
+        " Predicted: the --dry-run communication plan (compression.plan) at the measured link "
+        f"rate, compute at --plan-tflops {args.plan_tflops:g} TFLOP/s per rank; in brackets "
+        "its difference from the measured step."
     )
 
 
@@ -414,7 +491,7 @@ def _raise_exit(signum: int, frame: FrameType | None) -> None:
 
 def benchmark(args: argparse.Namespace, variants: list[Variant], work: Path) -> int:
     """Create the namespaces, run everything, print the table; always remove the namespaces."""
-    nodes = TwoNodes(args.subnet)
+    nodes = TwoNodes(args.subnet, args.procs_per_node)
     atexit.register(nodes.destroy)
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:

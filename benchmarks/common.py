@@ -35,17 +35,32 @@ class Variant:
     """Method and settings as printed in the table."""
     flags: tuple[str, ...]
     """Extra ``train.py`` flags selecting the method."""
+    collective: str = "all_reduce"
+    """How the payload travels in the global scope: ``all_reduce`` or ``all_gather`` (top-k)."""
+    scope: str = "global"
+    """``--compression-scope``: ``global`` or ``inter-node``."""
 
 
-def _dct(ratio: float, block: int, values: str = "float32") -> Variant:
-    """Low-pass ``dct`` sending ``ratio`` of every ``block``'s coefficients as ``values``."""
+def _dct(ratio: float, block: int, values: str = "float32", rotating: bool = False) -> Variant:
+    """``dct`` sending ``ratio`` of every ``block``'s coefficients as ``values``: low-pass, or
+    ``rotating`` (name suffix ``-rot``; error feedback as the run sets it)."""
     flags = ("--compression", "dct", "--compression-ratio", str(ratio))
     flags += ("--compression-block-size", str(block))
-    if values == "float32":
-        return Variant(f"dct-{ratio:g}", f"dct ratio {ratio:g}, block {block}", flags)
-    flags += ("--compression-value-dtype", values)
-    short = SHORT_DTYPES[values]
-    return Variant(f"dct-{ratio:g}-{short}", f"dct ratio {ratio:g}, block {block}, {short}", flags)
+    name, label = f"dct-{ratio:g}", f"dct ratio {ratio:g}, block {block}"
+    if values != "float32":
+        flags += ("--compression-value-dtype", values)
+        name, label = f"{name}-{SHORT_DTYPES[values]}", f"{label}, {SHORT_DTYPES[values]}"
+    if rotating:
+        flags += ("--compression-selection", "rotating")
+        name, label = f"{name}-rot", f"{label}, rotating"
+    return Variant(name, label, flags)
+
+
+def _node_aware(variant: Variant) -> Variant:
+    """``variant`` with ``--compression-scope inter-node`` (name suffix ``-node``)."""
+    flags = (*variant.flags, "--compression-scope", "inter-node")
+    label = f"{variant.label}, node-aware"
+    return Variant(f"{variant.name}-node", label, flags, variant.collective, "inter-node")
 
 
 def _topk(k: int, block: int, values: str = "float32") -> Variant:
@@ -58,7 +73,7 @@ def _topk(k: int, block: int, values: str = "float32") -> Variant:
     flags += ("--compression-block-size", str(block), "--compression-value-dtype", values)
     short = SHORT_DTYPES[values]
     name = f"dct-topk-{k}" + ("" if values == "float32" else f"-{short}")
-    return Variant(name, f"dct-topk k {k}, block {block}, {short} values", flags)
+    return Variant(name, f"dct-topk k {k}, block {block}, {short} values", flags, "all_gather")
 
 
 def _powersgd(rank: int) -> Variant:
@@ -69,17 +84,26 @@ def _powersgd(rank: int) -> Variant:
 
 def all_variants(block: int = 64) -> dict[str, Variant]:
     """Every variant the benchmarks know, by name, in table order (``block``: DCT block)."""
+    none = Variant("none", "none (dense fp32 all-reduce)", ("--compression", "none"))
+    bf16 = Variant("bf16", "bf16", ("--compression", "bf16"))
+    dct_8x = _dct(0.25, block, "bfloat16")
     variants = [
-        Variant("none", "none (dense fp32 all-reduce)", ("--compression", "none")),
+        none,
         Variant("fp16", "fp16", ("--compression", "fp16")),
-        Variant("bf16", "bf16", ("--compression", "bf16")),
+        bf16,
         _powersgd(4),
         _powersgd(16),
         _dct(0.5, block),
         _dct(0.125, block),
         _dct(0.03, block),
-        _dct(0.25, block, "bfloat16"),
+        dct_8x,
         _dct(0.5, block, "bfloat16"),
+        _dct(0.125, block, rotating=True),
+        _dct(0.25, block, "bfloat16", rotating=True),
+        _node_aware(none),
+        _node_aware(bf16),
+        _node_aware(dct_8x),
+        _node_aware(_dct(0.125, block)),
         _topk(8, block),
         _topk(4, block),
         _topk(2, block),
@@ -183,9 +207,11 @@ class RunSummary:
     step_times: list[float]
     """Per-step wall time in seconds (one record per step with ``--log-every 1``)."""
     comm_bytes: int
-    """Gradient bytes this rank handed to collectives in the last logged step."""
+    """Gradient bytes this rank sent on the wire in the last logged step (ring model)."""
     comm_bytes_dense: int
-    """What a dense fp32 all-reduce would have sent in that step."""
+    """What a dense fp32 ring all-reduce would have sent in that step, at the same world size."""
+    comm_bytes_collective: int
+    """Bytes this rank handed to collectives in that step (all-gather: its own part)."""
     losses: list[float]
     """Per-record training loss (mean over ranks), in step order."""
     eval_loss: float
@@ -201,9 +227,26 @@ def summarise(records: list[dict[str, float]]) -> RunSummary:
         step_times=[float(record["step_time_s"]) for record in train],
         comm_bytes=int(last.get("comm_bytes", 0)),
         comm_bytes_dense=int(last.get("comm_bytes_dense", 0)),
+        comm_bytes_collective=int(last.get("comm_bytes_collective", 0)),
         losses=[float(record["loss"]) for record in train],
         eval_loss=float(evals[-1]["eval_loss"]) if evals else float("nan"),
     )
+
+
+def ring_ratio(run: RunSummary, variant: Variant, measured: int, world: int) -> float:
+    """Dense fp32 ring all-reduce bytes / the variant's wire bytes at ``world`` ranks, from a run
+    at ``measured`` ranks (nan for the node-aware scope, whose ratio depends on the layout).
+
+    The dense all-reduce of S bytes sends 2 (W - 1) / W * S per rank. An all-reduce payload of
+    c bytes sends 2 (W - 1) / W * c, so its ratio S / c holds at every W; an all-gather of p bytes
+    per rank sends (W - 1) * p, so its ratio is 2 S / (W p) and falls with W.
+    """
+    if variant.scope != "global" or measured < 2 or not run.comm_bytes_collective:
+        return float("nan")
+    dense = run.comm_bytes_dense * measured / (2 * (measured - 1))
+    if variant.collective == "all_gather":
+        return 2 * dense / (world * run.comm_bytes_collective)
+    return dense / run.comm_bytes_collective
 
 
 def median_after(values: list[float], skip: int) -> float:

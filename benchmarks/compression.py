@@ -2,8 +2,9 @@
 
 Trains ``configs/tiny.toml`` on the offline C4 sample (``../shared/data``) once per method, each
 time from the same seed, data order and step count, with 2 processes under torchrun on loopback,
-and prints a Markdown table: bytes each rank hands to collectives per step, compression ratio
-(dense / sent), median step time, final training loss, held-out loss and its change against
+and prints a Markdown table: wire bytes each rank sends per step (ring model), the compression
+ratio against a dense fp32 ring all-reduce at the measured world size and at 8 and 64 ranks,
+median step time, final training loss, held-out loss and its change against
 ``none``. Then it checks the issue's targets: eval loss within 1% of ``none`` at >= 8x compression
 and within 0.2% for ``dct`` at ratio 0.5 (2x).
 
@@ -15,6 +16,8 @@ Usage (from the repository root)::
     uv run python benchmarks/compression.py                    # the full table
     uv run python benchmarks/compression.py --methods none,dct-0.125 --steps 50
     uv run python benchmarks/compression.py --work-dir runs --reuse   # continue after a stop
+    uv run python benchmarks/compression.py --steps 150 --seed 1 \
+        --methods none,dct-0.125,dct-0.125-rot,dct-0.25-bf16,dct-0.25-bf16-rot  # rotating vs fixed
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from common import (
     median_after,
     pick_variants,
     read_metrics,
+    ring_ratio,
     start,
     summarise,
     train_env,
@@ -176,12 +180,14 @@ class Row:
     label: str
     sent: float
     ratio: float
+    ring8: float
+    ring64: float
     step_time: float
     train_loss: float
     eval_loss: float
 
 
-def to_row(result: Result) -> Row:
+def to_row(result: Result, nproc: int) -> Row:
     """Combine a variant's runs: median step time over all steps of all runs, mean losses."""
     runs = result.runs
     times = [t for run in runs for t in run.step_times[WARMUP_SKIP:]]
@@ -191,6 +197,8 @@ def to_row(result: Result) -> Row:
         label=result.variant.label,
         sent=sent,
         ratio=runs[-1].comm_bytes_dense / sent if sent else math.nan,
+        ring8=ring_ratio(runs[-1], result.variant, nproc, 8),
+        ring64=ring_ratio(runs[-1], result.variant, nproc, 64),
         step_time=median_after(times, 0),
         train_loss=sum(tails) / len(tails),
         eval_loss=sum(run.eval_loss for run in runs) / len(runs),
@@ -214,6 +222,8 @@ def render(rows: list[Row], reference: float | None) -> list[list[str]]:
                 row.label,
                 human_bytes(row.sent),
                 f"{row.ratio:.1f}x",
+                "-" if math.isnan(row.ring8) else f"{row.ring8:.2f}x",
+                "-" if math.isnan(row.ring64) else f"{row.ring64:.2f}x",
                 f"{row.step_time:.2f}",
                 f"{row.train_loss:.4f}",
                 f"{row.eval_loss:.4f}",
@@ -254,10 +264,14 @@ def footnote(args: argparse.Namespace) -> str:
         f"{args.min_lr:g} at the last step), error feedback {feedback}, compression from step "
         f"{args.compression_start_step} (powersgd: from step 2 at the earliest), "
         f"{args.repeats} run(s) per method.\n"
-        "Bytes: gradient bytes rank 0 hands to collectives in the last step (all-gather: its own "
-        "contribution). Ratio: dense fp32 bytes / bytes sent. Step time: median over steps after "
-        f"the first {WARMUP_SKIP}, all runs; this 2-core machine is shared, so step times vary "
-        "by about +-30% from run to run and are not a bandwidth result (see "
+        "Bytes: gradient bytes rank 0 sends on the wire in the last step under the ring model "
+        "(all-reduce of S bytes: 2 (W - 1) / W x S; all-gather of p bytes: (W - 1) x p), W = "
+        f"{args.nproc}. Ratio: a dense fp32 ring all-reduce's wire bytes / the method's, at W = "
+        f"{args.nproc} (measured) and at W = 8 and 64 (the same formulas applied to the "
+        "measured payload; all-reduce methods keep their ratio, all-gather ones fall as 2/W; "
+        "node-aware rows: -, their ratio depends on the node layout). Step time: median over "
+        f"steps after the first {WARMUP_SKIP}, all runs; this 2-core machine is shared, so step "
+        "times vary by about +-30% from run to run and are not a bandwidth result (see "
         "benchmarks/bandwidth.py). Train loss: mean of the last "
         f"{LOSS_TAIL} steps. Eval loss: {args.nproc} x {args.eval_batches} held-out windows "
         "of the C4 validation sample after the last step; change relative to none."
@@ -266,10 +280,11 @@ def footnote(args: argparse.Namespace) -> str:
 
 def report(args: argparse.Namespace, results: list[Result]) -> str:
     """The Markdown table, its footnote and the target checks."""
-    rows = [to_row(result) for result in results]
+    rows = [to_row(result, args.nproc) for result in results]
     names = [result.variant.name for result in results]
     reference = rows[names.index("none")].eval_loss if "none" in names else None
-    header = ["method", "bytes/step/rank", "ratio", "step s (median)", "train loss"]
+    header = ["method", "wire bytes/step/rank", f"ratio W={args.nproc}", "ring ratio W=8"]
+    header += ["ring ratio W=64", "step s (median)", "train loss"]
     header += ["eval loss", "eval vs none"]
     text = markdown_table(header, render(rows, reference)) + "\n\n" + footnote(args) + "\n"
     targets = check_targets(results, rows, reference)

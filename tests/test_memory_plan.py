@@ -3,14 +3,26 @@ activations against what autograd saves, suggestions and FLOPs. No process group
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from torchrun_ddp.compression import CompressionSettings
+from torchrun_ddp.compression.plan import (
+    Topology,
+    communication_table,
+    estimate,
+    predicted_step_seconds,
+    state_bytes,
+)
+from torchrun_ddp.config import parse_config
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.main import plan_run
 from torchrun_ddp.memory_plan import (
     GIB,
     PlanSettings,
@@ -27,6 +39,7 @@ from torchrun_ddp.memory_plan import (
     zero_shard,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 N = 6_738_415_616
 """LLaMA-2-7B's parameters."""
 L, H, FF, V, A = 32, 4096, 11008, 32000, 32
@@ -233,3 +246,88 @@ def test_sequence_longer_than_positions_raises(config: LlamaConfig) -> None:
         plan_memory(config, N, replace(ONE_GPU, seq_length=8192))
     with pytest.raises(UserError, match="LLaMA-style decoder config"):
         plan_memory(LlamaConfig(hidden_size=0), N, ONE_GPU)
+
+
+# -------------------------------------------------------------------------------------------------
+# compression state and the communication plan
+
+BUCKET = 25 * 2**20
+DCT_8X = CompressionSettings("dct", ratio=0.25, block_size=64, topk_value_dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def sizes(config: LlamaConfig) -> list[int]:
+    return parameter_sizes(meta_model(config))
+
+
+def test_compression_state_per_method(sizes: list[int]) -> None:
+    """Residuals only where error feedback can work; payloads of every bucket in flight."""
+    blocks = sum(math.ceil(size / 64) for size in sizes)
+    assert state_bytes(CompressionSettings("none"), sizes, 8, BUCKET) == (0, 0)
+    low = state_bytes(DCT_8X, sizes, 8, BUCKET)
+    assert low == (0, blocks * 16 * 2 + 2 * BUCKET), "low-pass dct keeps no residual"
+    rotating = replace(DCT_8X, selection="rotating")
+    assert state_bytes(rotating, sizes, 8, BUCKET)[0] == 4 * N  # 25.1 GiB of fp32 residuals
+    assert state_bytes(replace(rotating, error_feedback=False), sizes, 8, BUCKET)[0] == 0
+    topk = CompressionSettings("dct-topk", topk=8, block_size=64, topk_value_dtype="bfloat16")
+    pairs = blocks * 8 * 3
+    assert state_bytes(topk, sizes, 8, BUCKET) == (4 * N, 9 * pairs + 2 * BUCKET)
+    assert state_bytes(topk, sizes, 64, BUCKET)[1] == 65 * pairs + 2 * BUCKET
+    scoped = state_bytes(replace(DCT_8X, scope="inter-node"), sizes, 8, BUCKET)
+    assert scoped[1] < low[1], "node-aware scope waits per bucket: one bucket's buffers"
+
+
+def test_plan_counts_compression_rows(config: LlamaConfig) -> None:
+    base = PlanSettings(world_size=8, micro_batch=1, seq_length=512, zero1=True)
+    base = replace(base, precision="bf16", activation_checkpointing=True)
+    plain = plan_memory(config, N, base)
+    more = plan_memory(config, N, replace(base, compression_state_bytes=4 * N))
+    assert more.phases["optimizer step"] - plain.phases["optimizer step"] == 4 * N
+    buffers = plan_memory(config, N, replace(base, compression_buffer_bytes=GIB))
+    assert buffers.phases["end of backward"] - plain.phases["end of backward"] == GIB
+    assert buffers.phases["end of forward"] == plain.phases["end of forward"]
+    assert "compression state" in more.table() and "compression buffers" in more.table()
+
+
+def test_llama2_7b_config_fits_with_its_compression_counted(config: LlamaConfig) -> None:
+    """configs/llama2_7b.toml ships low-pass dct: no residual, its buffers counted, it fits; a
+    rotating dct (25.1 GiB of residuals) would not."""
+    run = parse_config(["--config", str(REPO / "configs" / "llama2_7b.toml")])
+    plan, hints = plan_run(run, config, 8, 80.0)
+    assert plan.fits and hints == []
+    assert plan.compression_state == 0 and plan.compression_buffers > GIB
+    rotating, _ = plan_run(replace(run, compression_selection="rotating"), config, 8, 80.0)
+    assert rotating.compression_state == 4 * N
+    assert not rotating.fits
+
+
+def test_wire_ratio_of_all_reduce_methods_holds_at_64_ranks(sizes: list[int]) -> None:
+    ratios = {}
+    for world in (2, 8, 64):
+        topo = Topology(world, 8, 2.4e12, 1e11)
+        dense = estimate(CompressionSettings("none"), sizes, topo).wire_bytes
+        assert dense == pytest.approx(2 * (world - 1) / world * 4 * N)
+        for method in (DCT_8X, CompressionSettings("bf16")):
+            ratios.setdefault(method.method, set()).add(
+                round(dense / estimate(method, sizes, topo).wire_bytes, 6)
+            )
+        topk = CompressionSettings("dct-topk", topk=8, block_size=64, topk_value_dtype="bfloat16")
+        ratios.setdefault(f"topk{world}", set()).add(dense / estimate(topk, sizes, topo).wire_bytes)
+    assert ratios["dct"] == {8.0} and ratios["bf16"] == {2.0}
+    assert ratios["topk64"].pop() < 1 < ratios["topk8"].pop()
+
+
+def test_node_aware_scope_moves_fewer_bytes_over_the_uplink(sizes: list[int]) -> None:
+    """2 nodes x 8: the uplink carries 2 (W - 1) / W * S globally, 2 (N - 1) / N * S node-aware."""
+    topo = Topology(16, 8, 2.4e12, 1e11)
+    payload = sum(math.ceil(size / 64) for size in sizes) * 16 * 2
+    flat = estimate(DCT_8X, sizes, topo)
+    aware = estimate(replace(DCT_8X, scope="inter-node"), sizes, topo)
+    assert flat.uplink_bytes == pytest.approx(2 * 15 / 16 * payload)
+    assert aware.uplink_bytes == pytest.approx(payload)
+    assert aware.seconds < flat.seconds
+    assert not aware.overlaps and flat.overlaps
+    assert predicted_step_seconds(flat, 3.0) == pytest.approx(1.0 + max(2.0, flat.seconds))
+    assert predicted_step_seconds(aware, 3.0) == pytest.approx(3.0 + aware.seconds)
+    table = communication_table([DCT_8X], sizes, topo, 3.0)
+    assert "| dct 0.25 bf16 |" in table and "8x" in table

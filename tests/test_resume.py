@@ -68,10 +68,11 @@ def ok(result: subprocess.CompletedProcess) -> str:
 
 VARIANTS = {
     "none": ("--compression", "none"),
-    "dct": ("--compression", "dct"),
+    "dct": ("--compression", "dct", "--compression-selection", "rotating"),
     "zero1-bf16-mixed-ac": ("--zero1", "--precision", "bf16-mixed", "--activation-checkpointing"),
 }
-"""Settings whose resume is checked: plain DDP, DCT error feedback (per-rank state), and ZeRO-1
+"""Settings whose resume is checked: plain DDP, rotating DCT (its selection follows the step; its
+error-feedback residuals are per-rank state), and ZeRO-1
 (per-rank optimizer shards) with autocast and activation checkpointing."""
 
 

@@ -123,8 +123,8 @@ class TrainConfig:
     compression_topk: int = _opt(8, "dct-topk: largest DCT coefficients sent per block.")
     compression_value_dtype: str = _opt(
         "float32",
-        "dct, dct-topk: dtype of the DCT coefficients sent; 16-bit values are all-gathered and "
-        "their rounding error goes into error feedback (dct-topk indices: uint8/int16/int32).",
+        "dct, dct-topk: dtype of the DCT coefficients sent (dct all-reduces them; dct-topk "
+        "all-gathers them with uint8/int16/int32 indices and feeds the rounding error back).",
         choices=["float32", "bfloat16", "float16"],
     )
     compression_error_feedback: bool = _opt(
@@ -132,6 +132,29 @@ class TrainConfig:
     )
     compression_start_step: int = _opt(
         0, "Optimizer steps of plain dense all-reduce before compression starts."
+    )
+    compression_selection: str = _opt(
+        "low-pass",
+        "dct: coefficients sent, the same on every rank: low-pass (the lowest frequencies, no "
+        "error feedback) or rotating (a cyclic walk through all frequencies, with error feedback).",
+        choices=["low-pass", "rotating"],
+    )
+    compression_scope: str = _opt(
+        "global",
+        "global: compress among all ranks; inter-node: dense reduce inside each node "
+        "(LOCAL_WORLD_SIZE ranks), compress only between nodes (none, fp16, bf16, dct).",
+        choices=["global", "inter-node"],
+    )
+    plan_world_size: int = _opt(0, "--dry-run: ranks to plan for; 0 means WORLD_SIZE.")
+    plan_gpus_per_node: int = _opt(8, "--dry-run: ranks per node for the communication plan.")
+    plan_intra_node_gbit: float = _opt(
+        2400.0, "--dry-run: link bandwidth between ranks of one node, Gbit/s per direction."
+    )
+    plan_inter_node_gbit: float = _opt(
+        100.0, "--dry-run: link bandwidth between nodes, Gbit/s per direction per node."
+    )
+    plan_tflops: float = _opt(
+        400.0, "--dry-run: sustained training TFLOP/s per rank for the compute time."
     )
     powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank gradient approximation.")
     zero1: bool = _opt(
@@ -344,6 +367,9 @@ _POSITIVE += ("keep_checkpoints", "compression_topk", "powersgd_rank", "ddp_buck
 _NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_lr")
 _NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every", "compression_start_step")
 _NON_NEGATIVE += ("device_memory_gib",)
+_POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit", "plan_tflops")
+_POSITIVE += ("plan_gpus_per_node",)
+_NON_NEGATIVE += ("plan_world_size",)
 
 
 def validate(config: TrainConfig) -> None:

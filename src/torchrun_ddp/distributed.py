@@ -104,6 +104,48 @@ def init_distributed(env: DistEnv, device: torch.device, backend: str, timeout_s
     )
 
 
+@dataclass(frozen=True)
+class NodeGroups:
+    """Process groups of a job of ``nodes`` nodes with ``local_world_size`` ranks each.
+
+    ``intra``: the ranks of this rank's node (fast links: NVLink, shared memory). ``inter``: the
+    ranks on other nodes with this rank's local rank, one per node (the slow links). torchrun
+    numbers ranks node by node, ``rank = node * local_world_size + local_rank``.
+    """
+
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    local_world_size: int
+    nodes: int
+
+
+def new_node_groups(env: DistEnv) -> NodeGroups:
+    """Create the intra-node and inter-node groups (a collective: call on every rank).
+
+    Raises ValueError if the ranks do not form ``world_size / local_world_size`` equal nodes
+    numbered node by node (heterogeneous nodes cannot use node-aware compression).
+    """
+    per_node = env.local_world_size
+    if per_node < 1 or env.world_size % per_node:
+        raise ValueError(
+            f"world_size {env.world_size} is not a multiple of local_world_size {per_node}; "
+            "node-aware compression needs the same number of ranks on every node"
+        )
+    if env.rank != env.rank // per_node * per_node + env.local_rank:
+        raise ValueError(
+            f"rank {env.rank} with local_rank {env.local_rank} is not numbered node by node; "
+            "use --compression-scope global"
+        )
+    nodes = env.world_size // per_node
+    intra, _ = dist.new_subgroups_by_enumeration(
+        [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]
+    )
+    inter, _ = dist.new_subgroups_by_enumeration(
+        [list(range(local, env.world_size, per_node)) for local in range(per_node)]
+    )
+    return NodeGroups(intra=intra, inter=inter, local_world_size=per_node, nodes=nodes)
+
+
 def shutdown_distributed() -> None:
     """Destroy the process group if one exists; safe to call on every exit path."""
     if dist.is_available() and dist.is_initialized():

@@ -55,10 +55,17 @@ from torchrun_ddp.compression import (
     register_compression,
     validate_settings,
 )
+from torchrun_ddp.compression.plan import (
+    Topology,
+    communication_table,
+    reference_methods,
+    state_bytes,
+)
 from torchrun_ddp.config import TrainConfig, save_config
 from torchrun_ddp.distributed import (
     DistEnv,
     init_distributed,
+    new_node_groups,
     pick_device,
     setup_logging,
     shutdown_distributed,
@@ -154,6 +161,8 @@ def compression_settings(config: TrainConfig) -> CompressionSettings:
         start_step=config.compression_start_step,
         powersgd_rank=config.powersgd_rank,
         topk_value_dtype=config.compression_value_dtype,
+        selection=config.compression_selection,
+        scope=config.compression_scope,
     )
     try:
         validate_settings(settings)
@@ -167,6 +176,12 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     UserError on the first problem."""
     compression_settings(config)
     check_device(config.device)
+    if config.compression_scope == "inter-node" and env.world_size % env.local_world_size:
+        raise UserError(
+            f"--compression-scope inter-node needs the same ranks on every node, but WORLD_SIZE "
+            f"{env.world_size} is not a multiple of LOCAL_WORLD_SIZE {env.local_world_size}; "
+            "use --compression-scope global"
+        )
     model_config = load_model_config(config.model)
     check_causal_lm(model_config, config.model)
     limit = max_positions(model_config)
@@ -229,7 +244,14 @@ def plan_run(
     """This run's per-rank memory plan (parameters counted on the meta device) and, when it does
     not fit, the setting changes that would make it fit."""
     sizes = parameter_sizes(meta_model(model_config))
-    settings = plan_settings(config, world_size, memory_gib)
+    state, buffers = state_bytes(
+        compression_settings(config), sizes, world_size, config.ddp_bucket_cap_mb * 2**20
+    )
+    settings = dataclasses.replace(
+        plan_settings(config, world_size, memory_gib),
+        compression_state_bytes=state,
+        compression_buffer_bytes=buffers,
+    )
     plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
     if plan.fits:
         return plan, []
@@ -248,7 +270,7 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     else:
         model_config = load_model_config(config.model)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
-    plan, hints = plan_run(config, model_config, env.world_size, memory)
+    plan, hints = plan_run(config, model_config, config.plan_world_size or env.world_size, memory)
     lines = [
         f"model {config.model}: {plan.parameters:,} parameters, "
         f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
@@ -258,7 +280,33 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     if hints:
         lines.append("would fit with:")
         lines.extend(f"  {hint}" for hint in hints)
+    lines.append(communication_plan(config, env, model_config, plan.flops_per_token))
     return "\n".join(lines)
+
+
+def communication_plan(
+    config: TrainConfig, env: DistEnv, model_config: PretrainedConfig, flops_per_token: float
+) -> str:
+    """Wire bytes and predicted times per step of this run's method and the reference methods
+    (``compression.plan``), for --plan-world-size ranks (else WORLD_SIZE), --plan-gpus-per-node
+    and the --plan-*-gbit links; compute at --plan-tflops per rank."""
+    world = config.plan_world_size or env.world_size
+    per_node = min(config.plan_gpus_per_node, world)
+    topo = Topology(
+        world, per_node, config.plan_intra_node_gbit * 1e9, config.plan_inter_node_gbit * 1e9
+    )
+    tokens = config.batch_size * config.seq_length * config.accumulation_steps
+    compute_s = tokens * flops_per_token / (config.plan_tflops * 1e12)
+    run_method = compression_settings(config)
+    methods = [run_method, *reference_methods(config.compression_block_size)]
+    header = (
+        f"communication plan: {world} ranks = {topo.nodes} node(s) x {per_node}, links "
+        f"{config.plan_intra_node_gbit:g} Gbit/s in a node, {config.plan_inter_node_gbit:g} "
+        f"Gbit/s between nodes; compute {compute_s:.4g} s per step ({tokens} tokens per rank at "
+        f"{config.plan_tflops:g} TFLOP/s); first row: this run's --compression"
+    )
+    sizes = parameter_sizes(meta_model(model_config))
+    return "\n".join([header, communication_table(methods, sizes, topo, compute_s)])
 
 
 def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv) -> None:
@@ -366,7 +414,7 @@ def broadcast_json(value: dict[str, object], device: torch.device) -> dict[str, 
 
 
 def build_ddp_model(
-    config: TrainConfig, device: torch.device, inputs: Inputs
+    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv
 ) -> tuple[PreTrainedModel, DistributedDataParallel, CompressionState]:
     """The model, its DDP wrapper with the compression comm hook, and the hook's state."""
     model = build_model(
@@ -381,7 +429,10 @@ def build_ddp_model(
         config.gradient_as_bucket_view,
         config.ddp_static_graph,
     )
-    compression = register_compression(ddp_model, compression_settings(config))
+    node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
+    compression = register_compression(
+        ddp_model, compression_settings(config), node_groups=node_groups
+    )
     if config.compile:
         compile_model(ddp_model)
     return model, ddp_model, compression
@@ -391,7 +442,7 @@ def build_trainer(
     config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs, run_id: str = ""
 ) -> Trainer:
     """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
-    model, ddp_model, compression = build_ddp_model(config, device, inputs)
+    model, ddp_model, compression = build_ddp_model(config, device, inputs, env)
     optimizer = build_optimizer(
         model,
         config.learning_rate,
@@ -641,6 +692,7 @@ class Window:
         self.steps = 0
         self.comm_bytes = 0
         self.comm_bytes_dense = 0
+        self.comm_bytes_collective = 0
         self.step_time = 0.0
         self.data_time = 0.0
 
@@ -651,9 +703,10 @@ class Window:
         self.steps += 1
         self.data_time += data_time
         self.step_time += step_time
-        sent, dense = self.trainer.compression.pop_step_bytes()
-        self.comm_bytes += sent
-        self.comm_bytes_dense += dense
+        counts = self.trainer.compression.pop_step_bytes()
+        self.comm_bytes += counts.wire
+        self.comm_bytes_dense += counts.dense
+        self.comm_bytes_collective += counts.collective
 
     def flush(self, step: int) -> Record:
         """Mean loss over the window and the ranks, throughput and memory; then reset."""
@@ -672,6 +725,7 @@ class Window:
             "peak_mem_bytes": peak_memory_bytes(trainer.device),
             "comm_bytes": self.comm_bytes // self.steps,
             "comm_bytes_dense": self.comm_bytes_dense // self.steps,
+            "comm_bytes_collective": self.comm_bytes_collective // self.steps,
             "compression_ratio": self.comm_bytes_dense / max(1, self.comm_bytes),
         }
         self.reset()

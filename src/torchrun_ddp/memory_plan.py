@@ -6,6 +6,9 @@ meta-device one (no storage) to count parameters. The plan is an estimate, not a
 - Persistent state per rank: weights, DDP's gradient buckets and the AdamW moments (sharded by
   ``ZeroRedundancyOptimizer`` under zero1), plus a fixed overhead the caller can set (the CUDA
   context and NCCL buffers on a GPU, or the measured resident size of the Python process on CPU).
+- Compression state, as the caller computes it (``compression.plan.state_bytes``): persistent
+  error-feedback residuals and PowerSGD memories, and the comm hook's payload and decode buffers
+  at the end of backward.
 - Transient state: gradients (``zero_grad(set_to_none=True)`` frees them every step),
   activations saved for backward, the fp32 log-probabilities of the loss, the bf16 weight copies
   that autocast caches, and the one parameter-sized buffer foreach AdamW allocates in ``step()``.
@@ -14,8 +17,8 @@ The per-rank total is the peak over four moments of a training step (end of forw
 backward, end of backward, optimizer step), not the sum of every row: gradients are allocated
 while activations are freed, so both are never at their maximum together. The sum is reported as
 an upper bound. Not modelled: caching-allocator fragmentation on CUDA (reserved memory is usually
-a few percent above allocated), comm-hook buffers (gradient compression), evaluation, checkpoint
-saving, and the first step (AdamW creates its state lazily, so step 1 peaks lower).
+a few percent above allocated), evaluation, checkpoint saving, and the first step (AdamW creates
+its state lazily, so step 1 peaks lower).
 
 Sources: DDP buckets, https://pytorch.org/docs/stable/notes/ddp.html; ZeRO stage 1, Rajbhandari
 et al. 2020 and ``torch.distributed.optim.ZeroRedundancyOptimizer``; activation accounting in
@@ -195,6 +198,10 @@ class PlanSettings:
     fused_adamw: bool = False
     """torch's fused AdamW updates in place in one kernel: no step temporaries (foreach: one
     moment-sized buffer)."""
+    compression_state_bytes: int = 0
+    """Persistent comm-hook state per rank, bytes (error-feedback residuals, PowerSGD memories)."""
+    compression_buffer_bytes: int = 0
+    """Comm-hook payloads and decode buffers alive at the end of backward, bytes per rank."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -380,6 +387,8 @@ class MemoryPlan:
     activations: int
     overhead: int
     flops_per_token: float
+    compression_state: int = 0
+    compression_buffers: int = 0
     phases: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -397,6 +406,7 @@ class MemoryPlan:
         """Every row added up, bytes: what a plan that ignored the timing would claim."""
         rows = (self.weights, self.gradients, self.ddp_buckets, self.optimizer_state)
         rows += (self.optimizer_step_temporaries, self.autocast_weight_copies)
+        rows += (self.compression_state, self.compression_buffers)
         return sum(rows) + self.activations + self.overhead
 
     @property
@@ -436,6 +446,8 @@ class MemoryPlan:
             (f"optimizer step temporaries ({kernel} AdamW)", self.optimizer_step_temporaries),
             ("activations (per micro-batch, with the loss)", self.activations),
             ("autocast bf16 weight copies", self.autocast_weight_copies),
+            ("compression state (error-feedback residuals)", self.compression_state),
+            ("compression buffers (payloads, decode; end of backward)", self.compression_buffers),
             ("overhead (CUDA context, NCCL / process baseline)", self.overhead),
         ]
         lines = [f"| {self.settings.describe()} | GiB per rank |", "|---|---:|"]
@@ -498,6 +510,8 @@ def plan_memory(
         autocast_weight_copies=copies_forward,
         activations=activations.saved + activations.loss_backward,
         overhead=int(settings.overhead_gib * GIB),
+        compression_state=settings.compression_state_bytes,
+        compression_buffers=settings.compression_buffer_bytes,
         flops_per_token=model_flops_per_token(
             parameters, arch.layers, arch.hidden, settings.seq_length
         ),
@@ -508,6 +522,7 @@ def plan_memory(
 def _phases(plan: MemoryPlan, act: ActivationEstimate, copies_backward: int) -> dict[str, int]:
     """Bytes per rank at four moments of a step (see ``plan_memory``)."""
     persistent = plan.weights + plan.ddp_buckets + plan.optimizer_state + plan.overhead
+    persistent += plan.compression_state
     settings = plan.settings
     kept = settings.accumulation_steps > 1 or settings.gradient_as_bucket_view
     held = plan.gradients if kept else 0
@@ -515,7 +530,7 @@ def _phases(plan: MemoryPlan, act: ActivationEstimate, copies_backward: int) -> 
     return {
         "end of forward": persistent + held + forward,
         "start of backward": persistent + held + act.saved + copies_backward + act.loss_backward,
-        "end of backward": persistent + plan.gradients + act.layer,
+        "end of backward": persistent + plan.gradients + act.layer + plan.compression_buffers,
         "optimizer step": persistent + plan.gradients + plan.optimizer_step_temporaries,
     }
 

@@ -5,10 +5,11 @@ per token), ``lr``, ``tokens_per_s`` (trained tokens per second over all ranks),
 FLOPs utilisation, 0..1), ``step_time_s`` and ``data_time_s`` (seconds per step, and the part
 spent waiting for data), ``grad_norm`` (global L2 norm before clipping), ``peak_mem_bytes``
 (CUDA max allocated, or peak resident set size of the process on CPU), ``comm_bytes`` /
-``comm_bytes_dense`` (gradient bytes sent per step per rank, and what a dense fp32 all-reduce
-would send), ``compression_ratio`` (dense / sent); evaluation records carry ``eval_loss`` and
-``eval_ppl``. Every line of ``metrics.jsonl`` also carries the ``run_id`` of the run that wrote
-it (the id in the checkpoint folder's ``run.json``).
+``comm_bytes_dense`` (gradient bytes a rank sends on the wire per step under the ring model, and
+what a dense fp32 ring all-reduce at the same world size would send), ``comm_bytes_collective``
+(bytes handed to collectives), ``compression_ratio`` (dense / sent); evaluation records carry
+``eval_loss`` and ``eval_ppl``. Every line of ``metrics.jsonl`` also carries the ``run_id`` of the
+run that wrote it (the id in the checkpoint folder's ``run.json``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,61 @@
+"""Gradient compression for DDP: settings, DCT transform, comm hooks, per-rank state, wire bytes.
+
+``settings`` (methods and their parameters), ``transform`` (DCT-II basis, block layout), ``hooks``
+(one comm hook per method, :func:`register_compression`), ``state`` (error feedback, PowerSGD
+memories, ``state_dict``/``load_state_dict``), ``wire`` (bytes on the wire).
+"""
+
+from torchrun_ddp.compression.hooks import compression_hook, register_compression
+from torchrun_ddp.compression.settings import (
+    METHODS,
+    SCOPED_METHODS,
+    SCOPES,
+    SELECTIONS,
+    TOPK_VALUE_DTYPES,
+    CompressionSettings,
+    keeps_residual,
+    kept_coefficients,
+    validate_settings,
+)
+from torchrun_ddp.compression.state import CompressionState, StepBytes, powersgd_slices
+from torchrun_ddp.compression.transform import (
+    BlockLayout,
+    block_layout,
+    dct_basis,
+    index_dtype,
+    kept_frequencies,
+)
+from torchrun_ddp.compression.wire import (
+    dct_payload_bytes,
+    dense_wire_bytes,
+    topk_break_even_world_size,
+    topk_payload_bytes,
+    wire_bytes,
+)
+
+__all__ = [
+    "METHODS",
+    "SCOPED_METHODS",
+    "SCOPES",
+    "SELECTIONS",
+    "TOPK_VALUE_DTYPES",
+    "BlockLayout",
+    "CompressionSettings",
+    "CompressionState",
+    "StepBytes",
+    "block_layout",
+    "compression_hook",
+    "dct_basis",
+    "dct_payload_bytes",
+    "dense_wire_bytes",
+    "index_dtype",
+    "keeps_residual",
+    "kept_coefficients",
+    "kept_frequencies",
+    "powersgd_slices",
+    "register_compression",
+    "topk_break_even_world_size",
+    "topk_payload_bytes",
+    "validate_settings",
+    "wire_bytes",
+]

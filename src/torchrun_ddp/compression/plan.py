@@ -1,0 +1,233 @@
+"""What a compression method costs before a run: wire bytes, link time and memory per rank.
+
+Closed forms over the parameter sizes, with the ring model of :mod:`.wire` (every collective is
+bandwidth-bound; per-message latency is not modelled). ``--dry-run`` prints them (main.py) and
+the memory plan adds :func:`state_bytes` to its rows.
+
+Link time. A ring that spans several nodes crosses each node's uplink once per direction, so a
+global collective over ``W`` ranks moves each rank's wire bytes through the slowest link: the
+inter-node one when there are several nodes (NCCL's "bus bandwidth" model). The node-aware scope
+moves ``S / L`` per local rank through the uplink, ``L`` rings at once, so the uplink carries
+``2 (N - 1) / N * S`` for ``N`` nodes instead of ``2 (W - 1) / W * S``; its reduce-scatter and
+all-gather inside the node use the intra-node links.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torchrun_ddp.compression.settings import (
+    TOPK_VALUE_DTYPES,
+    CompressionSettings,
+    keeps_residual,
+    kept_coefficients,
+)
+from torchrun_ddp.compression.wire import topk_payload_bytes, wire_bytes
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks and links: ``world_size`` ranks, ``per_node`` on each node; bandwidths in bit/s per
+    direction (intra: between two ranks of a node; inter: a node's uplink)."""
+
+    world_size: int
+    per_node: int
+    intra_bits_per_s: float
+    inter_bits_per_s: float
+
+    @property
+    def nodes(self) -> int:
+        """Number of nodes, ``ceil(world_size / per_node)``."""
+        return math.ceil(self.world_size / self.per_node)
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """One method's communication per optimizer step on one rank.
+
+    ``wire_bytes``: bytes the rank sends (all links); ``uplink_bytes``: bytes its node's uplink
+    carries per direction (0 on one node); ``seconds``: the time the links need (bandwidth
+    model); ``overlaps``: whether the hook returns before its collectives finish, so that
+    communication can run during backward.
+    """
+
+    wire_bytes: float
+    uplink_bytes: float
+    seconds: float
+    overlaps: bool
+
+
+def _value_bytes(settings: CompressionSettings) -> int:
+    return 2 if settings.method in ("fp16", "bf16") else 4
+
+
+def _payload(settings: CompressionSettings, sizes: Sequence[int]) -> tuple[str, float, int]:
+    """(collective, bytes handed to it per step, bytes per value) for the global scope."""
+    method = settings.method
+    numel = sum(sizes)
+    blocks = sum(math.ceil(size / settings.block_size) for size in sizes)
+    value = TOPK_VALUE_DTYPES[settings.topk_value_dtype].itemsize
+    if method == "dct":
+        return "all_reduce", blocks * kept_coefficients(settings) * value, value
+    if method == "dct-topk":
+        dtype = TOPK_VALUE_DTYPES[settings.topk_value_dtype]
+        return (
+            "all_gather",
+            topk_payload_bytes(blocks, settings.topk, settings.block_size, dtype),
+            0,
+        )
+    if method == "powersgd":
+        return "all_reduce", _powersgd_numel(sizes, settings.powersgd_rank) * FP32, FP32
+    width = _value_bytes(settings)
+    return "all_reduce", numel * width, width
+
+
+def _powersgd_numel(sizes: Sequence[int], rank: int) -> int:
+    """Values PowerSGD all-reduces, approximating every tensor as square-ish (n = sqrt(numel)):
+    P and Q of ``rank`` columns for matrices it compresses, the rest dense. Only an estimate:
+    the plan does not know the shapes."""
+    total = 0
+    for size in sizes:
+        side = math.isqrt(size)
+        r = min(side, rank)
+        total += 2 * side * r if 2 * side * r * 2 < size else size
+    return total
+
+
+def estimate(settings: CompressionSettings, sizes: Sequence[int], topo: Topology) -> CommEstimate:
+    """Wire bytes and link time of one step of ``settings`` for parameters of ``sizes``."""
+    collective, payload, value = _payload(settings, sizes)
+    world, per_node, nodes = topo.world_size, topo.per_node, topo.nodes
+    if settings.scope == "inter-node" and nodes > 1 and per_node > 1:
+        fp32_payload = payload / value * FP32
+        inside = wire_bytes("reduce_scatter", fp32_payload, per_node)
+        inside += wire_bytes("all_gather", fp32_payload / per_node, per_node)
+        between = wire_bytes("all_reduce", payload / per_node, nodes)
+        uplink = between * per_node
+        seconds = inside * 8 / topo.intra_bits_per_s + uplink * 8 / topo.inter_bits_per_s
+        return CommEstimate(inside + between, uplink, seconds, overlaps=False)
+    wire = wire_bytes(collective, payload, world)
+    slowest = topo.inter_bits_per_s if nodes > 1 else topo.intra_bits_per_s
+    uplink = wire if nodes > 1 else 0.0
+    return CommEstimate(wire, uplink, wire * 8 / slowest, overlaps=settings.method != "powersgd")
+
+
+def state_bytes(
+    settings: CompressionSettings, sizes: Sequence[int], world_size: int, bucket_bytes: float
+) -> tuple[int, int]:
+    """(persistent, transient) bytes per rank the comm hook holds beyond DDP's buckets.
+
+    Persistent: the error-feedback residual, an fp32 copy of the gradients (rotating ``dct``,
+    ``dct-topk`` with error feedback) and PowerSGD's error and P/Q memories. Transient, at the
+    end of backward when every bucket's message can be in flight at once: the payloads
+    (``dct-topk``: its own pairs and the ``world_size`` gathered ones), plus one bucket's encode
+    and decode work space (two fp32 bucket-sized blocks). The node-aware scope waits for each
+    bucket, so only one bucket's payload and its padded copy and gathered result are alive.
+    """
+    numel = sum(sizes)
+    persistent = numel * FP32 if keeps_residual(settings) else 0
+    if settings.method == "powersgd":
+        persistent = numel * FP32 + _powersgd_numel(sizes, settings.powersgd_rank) * FP32
+    if settings.method == "none":
+        return persistent, 0
+    collective, payload, _ = _payload(settings, sizes)
+    if collective == "all_gather":
+        payload *= world_size + 1
+    workspace = 2 * bucket_bytes
+    if settings.scope == "inter-node":
+        share = bucket_bytes / max(1.0, numel * FP32)
+        return persistent, int(payload * share + 2 * bucket_bytes + workspace)
+    return persistent, int(payload + workspace)
+
+
+def predicted_step_seconds(comm: CommEstimate, compute_s: float) -> float:
+    """Step time: forward plus backward (``compute_s``, backward taken as 2/3 of it, Kaplan et
+    al. 2020) and the communication that does not hide behind backward. A hook that returns
+    early overlaps backward: ``forward + max(backward, comm)``; one that waits adds it whole."""
+    backward = compute_s * 2 / 3
+    if comm.overlaps:
+        return compute_s - backward + max(backward, comm.seconds)
+    return compute_s + comm.seconds
+
+
+def label(settings: CompressionSettings) -> str:
+    """Short name of a setting for tables, e.g. ``dct 0.25 bf16 rotating inter-node``."""
+    parts = [settings.method]
+    if settings.method == "dct":
+        parts.append(f"{settings.ratio:g}")
+    if settings.method == "dct-topk":
+        parts.append(f"k={settings.topk}")
+    if settings.method in ("dct", "dct-topk") and settings.topk_value_dtype != "float32":
+        parts.append({"bfloat16": "bf16", "float16": "fp16"}[settings.topk_value_dtype])
+    if settings.method == "dct" and settings.selection != "low-pass":
+        parts.append(settings.selection)
+    if settings.method == "powersgd":
+        parts.append(f"rank {settings.powersgd_rank}")
+    if settings.scope != "global":
+        parts.append(settings.scope)
+    return " ".join(parts)
+
+
+def reference_methods(block_size: int) -> list[CompressionSettings]:
+    """The methods ``--dry-run`` compares with the run's own: dense, 16-bit, low-pass and
+    rotating ``dct`` at 8x (ratio 0.25, bf16 values; global and node-aware), ``dct`` ratio
+    0.125, ``dct-topk`` k 8 with bf16 values and PowerSGD rank 4."""
+    dct = CompressionSettings("dct", ratio=0.25, block_size=block_size, topk_value_dtype="bfloat16")
+    return [
+        CompressionSettings("none"),
+        CompressionSettings("bf16"),
+        CompressionSettings("bf16", scope="inter-node"),
+        dct,
+        CompressionSettings(**{**vars(dct), "scope": "inter-node"}),
+        CompressionSettings(**{**vars(dct), "selection": "rotating"}),
+        CompressionSettings("dct", ratio=0.125, block_size=block_size),
+        CompressionSettings("dct-topk", topk=8, block_size=block_size, topk_value_dtype="bfloat16"),
+        CompressionSettings("powersgd", powersgd_rank=4),
+    ]
+
+
+def _ratio(dense: float, sent: float) -> str:
+    return f"{dense / sent:.3g}x" if sent else "-"
+
+
+def communication_table(
+    methods: Sequence[CompressionSettings], sizes: Sequence[int], topo: Topology, compute_s: float
+) -> str:
+    """Markdown table, one row per method: wire bytes per rank per step, uplink bytes, ratio
+    against a dense fp32 ring all-reduce at this world size, link time, whether it hides behind
+    backward (``compute_s * 2 / 3``) and the predicted step time. Two ratios against a dense
+    fp32 ring all-reduce: of the wire bytes on all links, and of the bytes over a node's uplink
+    (``-`` on one node), the one that matters on slow links between nodes."""
+    dense = estimate(CompressionSettings("none"), sizes, topo)
+    backward = compute_s * 2 / 3
+    lines = [
+        "| method | wire MB/rank/step | uplink MB/step | ratio (wire) | ratio (uplink) | comm s "
+        "| hides behind backward | step s |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for settings in methods:
+        comm = estimate(settings, sizes, topo)
+        hides = "yes" if comm.overlaps and comm.seconds <= backward else "no"
+        if not comm.overlaps:
+            hides = "no (waits per bucket)"
+        lines.append(
+            f"| {label(settings)} | {comm.wire_bytes / 1e6:.4g} | {comm.uplink_bytes / 1e6:.4g} "
+            f"| {dense.wire_bytes / max(comm.wire_bytes, 1.0):.3g}x "
+            f"| {_ratio(dense.uplink_bytes, comm.uplink_bytes)} | {comm.seconds:.4g} "
+            f"| {hides} | {predicted_step_seconds(comm, compute_s):.4g} |"
+        )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "CommEstimate",
+    "Topology",
+    "communication_table",
+    "estimate",
+    "label",
+    "predicted_step_seconds",
+    "reference_methods",
+    "state_bytes",
+]
