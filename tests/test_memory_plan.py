@@ -231,5 +231,5 @@ def test_bad_settings_raise_user_error(change: dict[str, object], message: str) 
 def test_sequence_longer_than_positions_raises(config: LlamaConfig) -> None:
     with pytest.raises(UserError, match="exceeds the model's 4096 positions"):
         plan_memory(config, N, replace(ONE_GPU, seq_length=8192))
-    with pytest.raises(UserError, match="LLaMA-style decoder config"):
+    with pytest.raises(UserError, match="decoder-only transformer config"):
         plan_memory(LlamaConfig(hidden_size=0), N, ONE_GPU)
