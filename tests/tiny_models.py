@@ -1,8 +1,29 @@
-"""A LLaMA small enough that spawned gloo ranks build and train it in seconds."""
+"""Models small enough that spawned gloo ranks build and train them in seconds, and a helper that
+runs the real trainer on a spawned rank."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import torch
 from transformers import LlamaConfig
+
+from torchrun_ddp import main
+from torchrun_ddp.config import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.main import (
+    Trainer,
+    build_trainer,
+    prepare_inputs,
+    resume,
+    save_final_model,
+    train,
+)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_llama_config(vocab_size: int = 128) -> LlamaConfig:
@@ -17,3 +38,59 @@ def tiny_llama_config(vocab_size: int = 128) -> LlamaConfig:
         num_key_value_heads=4,
         max_position_embeddings=64,
     )
+
+
+TINY_MODELS = ("gpt2", "qwen2", "mistral", "mixtral")
+"""Tiny random-init configs of other architectures, in configs/tiny-models/<name>/config.json:
+hidden 64, 2 layers, 4 heads, 128 positions, vocabulary 32000 (the bundled tokenizer's). GPT-2:
+learned positions, GELU MLP of 4 x hidden, tied embeddings. Qwen2: q/k/v biases, tied
+embeddings, grouped-query attention. Mistral: grouped-query attention, sliding window 64.
+Mixtral: 4 experts of width 128, 2 per token."""
+
+
+def tiny_model_path(name: str) -> Path:
+    """The config.json of one of ``TINY_MODELS``."""
+    return REPO / "configs" / "tiny-models" / name / "config.json"
+
+
+def train_in_group(rank: int, world_size: int, argv: list[str]) -> Trainer:
+    """Run one training job on an initialised process group, as ``main.run`` does after
+    ``init_distributed``: the real inputs, DDP model, optimizer, data, loop, checkpoints and
+    final outputs. Returns the trainer (the loop's state after the last step).
+
+    The CPU matmul peak (for MFU, about 2 s per measurement on a shared 2-core machine) is
+    measured once per process and dtype, as one real run measures it once, not once per job."""
+    if not hasattr(main.device_peak_flops, "cache_info"):
+        main.device_peak_flops = functools.cache(main.device_peak_flops)
+    config = parse_config(argv)
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    inputs = prepare_inputs(config, env)
+    trainer = build_trainer(config, env, torch.device("cpu"), inputs)
+    resume(trainer)
+    if train(trainer):
+        save_final_model(trainer)
+    trainer.metrics.close()
+    return trainer
+
+
+def logged_losses(output_dir: Path) -> dict[int, float]:
+    """Step -> logged training loss of a run's metrics.jsonl."""
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def comm_bytes(output_dir: Path) -> list[tuple[int, int]]:
+    """(comm_bytes, comm_bytes_dense) of every training record of a run's metrics.jsonl."""
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "loss" in r]
+    return [(r["comm_bytes"], r["comm_bytes_dense"]) for r in records]
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over names, dtypes and raw bytes: equal digests mean bit-identical tensors."""
+    sha = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        sha.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+        sha.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return sha.hexdigest()

@@ -159,8 +159,9 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> PeftModel:
             return get_peft_model(model, lora, autocast_adapter_dtype=True)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         raise UserError(
-            f"--lora-target-modules {' '.join(settings.target_modules)}: {_first_line(exc)}; "
-            "name linear layers of this model (e.g. q_proj v_proj) or use all-linear"
+            f"--peft lora with --lora-target-modules {' '.join(settings.target_modules)}: "
+            f"{_first_line(exc)}; change --lora-target-modules (e.g. q_proj v_proj) or, for "
+            "mixture-of-experts models, whose experts all-linear includes, --lora-dropout 0"
         ) from exc
 
 
