@@ -482,7 +482,8 @@ def train(trainer: Trainer) -> bool:
     False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
     config = trainer.config
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
-    loader = iter(build_loader(trainer.windows, config.batch_size))
+    with torch.random.fork_rng(devices=[]):  # the iterator draws a seed from the CPU RNG, which
+        loader = iter(build_loader(trainer.windows, config.batch_size))  # resume just restored
     window, progress = Window(trainer), progress_bar(trainer, max_steps)
     if trainer.step == 0 and config.eval_every:
         trainer.metrics.log({"step": 0, **evaluate(trainer)})  # the untrained baseline

@@ -579,7 +579,7 @@ def plan_memory(
 
     LoRA (``settings.adapter_sizes``, ``parameters`` = the base model's): weights are the frozen
     base (2 B, or 4 B under fp32) plus the fp32 adapters; gradients, buckets, moments and step
-    temporaries cover the adapters only, at fp32 sizes (see ``_lora_state``). FLOPs per token use
+    temporaries cover the adapters only, at fp32 sizes (see ``_lora_plan``). FLOPs per token use
     ``active_parameters`` when given (a mixture of experts runs only some experts per token).
     Raises UserError when the config is not a decoder config or ``seq_length`` exceeds its
     positions.

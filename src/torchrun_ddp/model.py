@@ -172,7 +172,7 @@ def save_lora_outputs(model: PeftModel, adapter_dir: Path, merged_dir: Path) -> 
     model with ``save_pretrained`` to ``merged_dir``, loadable by
     ``AutoModelForCausalLM.from_pretrained``. Merging changes ``model`` in place: call it last.
     """
-    model.save_pretrained(adapter_dir, safe_serialization=True)
+    model.save_pretrained(adapter_dir, safe_serialization=True, save_embedding_layers=False)
     merged = model.merge_and_unload()
     merged.save_pretrained(merged_dir, safe_serialization=True)
 
