@@ -109,3 +109,16 @@ def test_dry_run_plans_llama2_7b_offline(
     out = capsys.readouterr().out
     assert "6,738,415,616 parameters" in out
     assert "| weights | 25.10 |" in out and "does not fit" in out
+
+
+def test_dry_run_plans_llama2_7b_lora_on_one_24gb_gpu_offline(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(train, "load_dotenv", lambda: None)
+    config = str(REPO / "configs" / "llama2_7b_lora.toml")
+    assert train.main(["--config", config, "--dry-run", "--device-memory-gib", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "6,738,415,616 parameters (+ 19,988,480 LoRA adapter parameters, trained)" in out
+    assert "| weights (frozen bf16 base + fp32 LoRA adapters) | 12.63 |" in out
+    assert "| verdict | fits, " in out and "1 x 24 GiB" in out
