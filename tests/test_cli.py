@@ -158,3 +158,16 @@ def test_a_token_saved_by_hf_auth_login_is_accepted_and_never_shown(
     assert train.main(["--model", "meta-llama/Llama-2-7b-hf", "--print-config"]) == 0
     captured = capsys.readouterr()
     assert secret not in captured.out + captured.err
+
+
+def test_dry_run_plans_llama2_7b_lora_on_one_24gb_gpu_offline(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(train, "load_dotenv", lambda: None)
+    config = str(REPO / "configs" / "llama2_7b_lora.toml")
+    assert train.main(["--config", config, "--dry-run", "--device-memory-gib", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "6,738,415,616 parameters (+ 19,988,480 LoRA adapter parameters, trained)" in out
+    assert "| weights (frozen bf16 base + fp32 LoRA adapters) | 12.63 |" in out
+    assert "| verdict | fits, " in out and "1 x 24 GiB" in out

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from tiny_models import TINY_MODELS, tiny_model_path
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from torchrun_ddp.compression import CompressionSettings
 from torchrun_ddp.compression.plan import (
@@ -20,17 +21,20 @@ from torchrun_ddp.compression.plan import (
     predicted_step_seconds,
     state_bytes,
 )
-from torchrun_ddp.config import parse_config
+from torchrun_ddp.config import TrainConfig, parse_config
+from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.main import plan_run
+from torchrun_ddp.main import check_fits, plan_run
 from torchrun_ddp.memory_plan import (
     GIB,
     PlanSettings,
     activation_estimate,
+    active_parameter_count,
     architecture,
     comparison_table,
     llama2_7b_config,
     meta_model,
+    missing_sizes,
     model_flops_per_token,
     parameter_count,
     parameter_sizes,
@@ -38,6 +42,7 @@ from torchrun_ddp.memory_plan import (
     suggestions,
     zero_shard,
 )
+from torchrun_ddp.model import LoraSettings, apply_lora, trainable_parameter_sizes
 
 REPO = Path(__file__).resolve().parents[1]
 N = 6_738_415_616
@@ -244,7 +249,7 @@ def test_bad_settings_raise_user_error(change: dict[str, object], message: str) 
 def test_sequence_longer_than_positions_raises(config: LlamaConfig) -> None:
     with pytest.raises(UserError, match="exceeds the model's 4096 positions"):
         plan_memory(config, N, replace(ONE_GPU, seq_length=8192))
-    with pytest.raises(UserError, match="LLaMA-style decoder config"):
+    with pytest.raises(UserError, match="decoder-only transformer config"):
         plan_memory(LlamaConfig(hidden_size=0), N, ONE_GPU)
 
 
@@ -331,3 +336,101 @@ def test_node_aware_scope_moves_fewer_bytes_over_the_uplink(sizes: list[int]) ->
     assert predicted_step_seconds(aware, 3.0) == pytest.approx(3.0 + aware.seconds)
     table = communication_table([DCT_8X], sizes, topo, 3.0)
     assert "| dct 0.25 bf16 |" in table and "8x" in table
+
+
+# -------------------------------------------------------------------------------------------------
+# LoRA and other architectures
+
+
+@pytest.fixture(scope="module")
+def adapters_7b(config: LlamaConfig) -> tuple[int, ...]:
+    """Element counts of LoRA rank-8 adapters on every linear layer of LLaMA-2-7B (meta)."""
+    peft_model = apply_lora(meta_model(config), LoraSettings())
+    return tuple(trainable_parameter_sizes(peft_model))
+
+
+def test_lora_7b_rows_and_fit_on_one_24gb_gpu(
+    config: LlamaConfig, adapters_7b: tuple[int, ...]
+) -> None:
+    per_layer = 4 * 8 * (H + H) + 2 * 8 * (H + FF) + 8 * (FF + H)
+    adapters = sum(adapters_7b)
+    assert adapters == L * per_layer == 19_988_480
+    settings = PlanSettings(
+        world_size=1,
+        micro_batch=4,
+        seq_length=512,
+        precision="bf16-mixed",
+        activation_checkpointing=True,
+        gradient_as_bucket_view=True,
+        fused_adamw=True,
+        device_memory_gib=24,
+        adapter_sizes=adapters_7b,
+    )
+    plan = plan_memory(config, N, settings)
+    assert plan.weights == 2 * N + 4 * adapters, "frozen bf16 base, fp32 adapters"
+    assert (plan.gradients, plan.ddp_buckets) == (4 * adapters, 0)
+    assert plan.optimizer_state == 8 * adapters
+    assert plan.optimizer_step_temporaries == 0
+    assert plan.autocast_weight_copies == 2 * adapters, "only the adapters are cast"
+    checkpointed = TOKENS * (L * 2 * H + 8 * H + 4 + 12 * V)
+    assert plan.activations == checkpointed, "bf16 residual stream per layer, the loss"
+    assert plan.approximate == ("activations",)
+    assert plan.fits and plan.total < 16 * GIB
+    assert plan_memory(config, N, replace(settings, device_memory_gib=24e9 / GIB)).fits, "24 GB"
+    assert "| weights (frozen bf16 base + fp32 LoRA adapters) | 12.63 |" in plan.table()
+    assert "| activations (per micro-batch, with the loss) (approximate) |" in plan.table()
+    full = plan_memory(config, N, replace(settings, adapter_sizes=()))
+    assert not full.fits and suggestions(config, N, settings) == []
+
+
+def test_lora_zero1_partitions_only_the_adapters(
+    config: LlamaConfig, adapters_7b: tuple[int, ...]
+) -> None:
+    settings = replace(ONE_GPU, world_size=4, zero1=True, adapter_sizes=adapters_7b)
+    plan = plan_memory(config, N, settings)
+    assert plan.optimizer_state == 8 * zero_shard(sum(adapters_7b), 4, adapters_7b)
+    assert plan.optimizer_state < 8 * sum(adapters_7b) / 3
+    assert plan.weights == 4 * N + 4 * sum(adapters_7b), "fp32 LoRA keeps an fp32 base"
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_other_architectures_are_planned_from_their_own_sizes(name: str) -> None:
+    model_config = AutoConfig.from_pretrained(tiny_model_path(name))
+    model = meta_model(model_config)
+    sizes = parameter_sizes(model)
+    plan = plan_memory(model_config, sum(sizes), replace(ONE_GPU, seq_length=64), sizes)
+    arch = architecture(model_config)
+    expected_ffn = {"gpt2": 4 * 64, "qwen2": 128, "mistral": 128, "mixtral": 128}[name]
+    assert arch.intermediate == expected_ffn
+    assert arch.ffn_matrices == (2 if name == "gpt2" else 3)
+    assert arch.tied_embeddings == (name in ("gpt2", "qwen2"))
+    assert plan.weights == 4 * sum(sizes), "weights are counted on the meta model"
+    assert (plan.approximate == ()) == (name in ("qwen2", "mistral"))
+    if name == "mixtral":
+        assert (arch.experts, arch.experts_per_token, arch.active_intermediate) == (4, 2, 256)
+    embeddings = 32000 * 64 * (1 if arch.tied_embeddings else 2) + (
+        128 * 64 if name == "gpt2" else 0
+    )
+    matrices = sum(p.numel() for p in model.parameters() if p.ndim >= 2) - embeddings
+    assert arch.layers * arch.layer_linear_parameters() == matrices, "what autocast casts"
+
+
+def test_active_parameters_of_a_mixture_of_experts() -> None:
+    model_config = AutoConfig.from_pretrained(tiny_model_path("mixtral"))
+    model = meta_model(model_config)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    total = parameter_count(model)
+    assert active_parameter_count(model, model_config) == total - experts // 2
+    dense = meta_model(AutoConfig.from_pretrained(tiny_model_path("mistral")))
+    assert active_parameter_count(dense, dense.config) == parameter_count(dense)
+
+
+def test_fit_check_never_refuses_a_config_without_decoder_sizes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    odd = PretrainedConfig(vocab_size=100)
+    assert missing_sizes(odd) == ["num_hidden_layers", "hidden_size", "num_attention_heads"]
+    run = TrainConfig(device_memory_gib=1.0)
+    with caplog.at_level("WARNING", logger="torchrun_ddp"):
+        check_fits(run, odd, DistEnv())
+    assert "no memory plan: the model config lacks num_hidden_layers" in caplog.text

@@ -1,8 +1,29 @@
-"""A LLaMA small enough that spawned gloo ranks build and train it in seconds."""
+"""Models small enough that spawned gloo ranks build and train them in seconds, and a helper that
+runs the real trainer on a spawned rank."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
+import torch
 from transformers import LlamaConfig
+
+from torchrun_ddp import main
+from torchrun_ddp.config import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.main import (
+    Trainer,
+    build_trainer,
+    prepare_inputs,
+    resume,
+    save_final_model,
+    train,
+)
+from torchrun_ddp.metrics import measure_cpu_peak_flops
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_llama_config(vocab_size: int = 128) -> LlamaConfig:
@@ -17,3 +38,76 @@ def tiny_llama_config(vocab_size: int = 128) -> LlamaConfig:
         num_key_value_heads=4,
         max_position_embeddings=64,
     )
+
+
+TINY_MODELS = ("gpt2", "qwen2", "mistral", "mixtral")
+"""Tiny random-init configs of other architectures, in configs/tiny-models/<name>/config.json
+(with llama/, the LoRA tests' model):
+hidden 64, 2 layers, 4 heads, 128 positions, vocabulary 32000 (the bundled tokenizer's). GPT-2:
+learned positions, GELU MLP of 4 x hidden, tied embeddings. Qwen2: q/k/v biases, tied
+embeddings, grouped-query attention. Mistral: grouped-query attention, sliding window 64.
+Mixtral: 4 experts of width 128, 2 per token."""
+
+
+def tiny_model_path(name: str) -> Path:
+    """The config.json of one of ``TINY_MODELS``."""
+    return REPO / "configs" / "tiny-models" / name / "config.json"
+
+
+def _small_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """``device_peak_flops`` for CPU ranks, measured on 256 x 256 matrices. Not cached: the
+    measurement draws its matrices from the global RNG after the trainer seeds it, so every
+    trainer built in a process must measure, as every real run does."""
+    return measure_cpu_peak_flops(size=256, dtype=dtype), "measured 256 x 256 matmul"
+
+
+def train_in_group(rank: int, world_size: int, argv: list[str], export: bool = True) -> Trainer:
+    """Run one training job on an initialised process group, as ``main.run`` does after
+    ``init_distributed``: the real inputs, DDP model, optimizer, data, loop, checkpoints and
+    final outputs. Returns the trainer (the loop's state after the last step).
+
+    With ``export=False`` the final model is not saved (under LoRA saving merges the adapters
+    into the model, so call ``save_final_model`` after inspecting the trained adapters).
+
+    The CPU matmul peak for MFU is measured on 256 x 256 matrices (``_small_peak``): the
+    trainer's 2048 x 2048 measurement takes seconds in fp32 and minutes in bf16 on CPUs without
+    bf16 units, and no test here checks MFU."""
+    main.device_peak_flops = _small_peak
+    config = parse_config(argv)
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    inputs = prepare_inputs(config, env)
+    trainer = build_trainer(config, env, torch.device("cpu"), inputs)
+    resume(trainer)
+    if train(trainer) and export:
+        save_final_model(trainer)
+    trainer.metrics.close()
+    return trainer
+
+
+def logged_losses(output_dir: Path) -> dict[int, float]:
+    """Step -> logged training loss of a run's metrics.jsonl."""
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def evaluations(output_dir: Path) -> dict[int, float]:
+    """Step -> held-out loss of a run's metrics.jsonl."""
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["eval_loss"] for r in map(json.loads, lines) if "eval_loss" in r}
+
+
+def comm_bytes(output_dir: Path) -> list[tuple[int, int]]:
+    """(comm_bytes, comm_bytes_dense) of every training record of a run's metrics.jsonl."""
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "loss" in r]
+    return [(r["comm_bytes"], r["comm_bytes_dense"]) for r in records]
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over names, dtypes and raw bytes: equal digests mean bit-identical tensors."""
+    sha = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        sha.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+        sha.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return sha.hexdigest()

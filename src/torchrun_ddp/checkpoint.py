@@ -60,6 +60,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -106,30 +107,40 @@ class ModelAndOptimizer:
     into a freshly built model and optimizer (``set_state_dict``). A fresh optimizer's moments are
     created by DCP with one zero-learning-rate step, so ``load_checkpoint`` can fill them in place.
     With ``optimizer=None`` only the model is saved (a ZeRO-1 optimizer's shards are per-rank
-    state: see ``ShardedOptimizer``).
+    state: see ``ShardedOptimizer``). With ``trainable_only`` frozen parameters
+    (``requires_grad=False``, e.g. a LoRA base model) are left out (DCP's ``ignore_frozen_params``):
+    the caller rebuilds them identically before loading.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer | None) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: Optimizer | None, trainable_only: bool = False
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.options = StateDictOptions(
+            ignore_frozen_params=trainable_only, strict=not trainable_only
+        )
 
     def state_dict(self) -> dict[str, object]:
         """``{"model": {name: tensor}, "optimizer": {"state": ..., "param_groups": ...}}``."""
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            return {"model": get_model_state_dict(self.model, options=self.options)}
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer, options=self.options
+        )
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
         """Copy a ``state_dict`` result into the model and the optimizer."""
         if self.optimizer is None:
-            set_model_state_dict(self.model, state_dict["model"])
+            set_model_state_dict(self.model, state_dict["model"], options=self.options)
             return
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optimizer"],
+            options=self.options,
         )
 
 

@@ -43,8 +43,9 @@ class TrainConfig:
     # Model
     model: str = _opt(
         "meta-llama/Llama-2-7b-hf",
-        "Hugging Face hub id or local folder of a LLaMA model, or a config.json path with "
-        "--init random. Gated hub models need HF_TOKEN in the environment or .env.",
+        "Hugging Face hub id or local folder of a causal LM (any AutoModelForCausalLM), or a "
+        "config.json path with --init random. Gated hub models need HF_TOKEN in the environment "
+        "or .env.",
     )
     init: str = _opt(
         "pretrained",
@@ -68,6 +69,20 @@ class TrainConfig:
         False,
         "torch.compile the model (inductor) before DDP wraps it; falls back to eager with a "
         "warning where compilation fails. Checkpoints stay loadable without compile.",
+    )
+    peft: str = _opt(
+        "none",
+        "Parameter-efficient fine-tuning: none trains every weight; lora freezes the base model "
+        "(bf16 unless --precision fp32) and trains fp32 low-rank adapters (peft).",
+        choices=["none", "lora"],
+    )
+    lora_rank: int = _opt(8, "--peft lora: rank r of each adapter (B A, A: r x in, B: out x r).")
+    lora_alpha: float = _opt(16.0, "--peft lora: scaling alpha; the update is (alpha / r) B A x.")
+    lora_dropout: float = _opt(0.1, "--peft lora: dropout on each adapter's input, in [0, 1).")
+    lora_target_modules: list[str] = _opt(
+        ["all-linear"],
+        "--peft lora: modules that get adapters, by name or name suffix (e.g. q_proj v_proj), "
+        "or all-linear: every linear layer except the output head.",
     )
     tokenizer: str = _opt("", "Tokenizer hub id or folder; empty means the same as --model.")
     # Data
@@ -173,7 +188,8 @@ class TrainConfig:
     ddp_static_graph: bool = _opt(
         False,
         "Tell DDP the autograd graph is the same every step (DDP static_graph): it then skips "
-        "per-step graph checks. Valid for LLaMA training, where every parameter gets a gradient.",
+        "per-step graph checks. Valid where every trainable parameter gets a gradient every step "
+        "(all tested causal LMs, MoE included).",
     )
     # Checkpoints and resume
     checkpoint_dir: str = _opt(
@@ -319,7 +335,8 @@ def build_parser() -> HfArgumentParser:
     """The command-line parser: ``--config FILE`` plus one flag per TrainConfig field."""
     parser = HfArgumentParser(
         TrainConfig,
-        description="Train a LLaMA model with PyTorch DDP under torchrun.",
+        description="Train a causal LM (LLaMA and any AutoModelForCausalLM) with PyTorch DDP "
+        "under torchrun.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
         exit_on_error=False,
@@ -395,11 +412,25 @@ def _validate_combinations(config: TrainConfig) -> None:
     """Reject options that are valid alone but not together."""
     if config.min_lr > config.learning_rate:
         raise UserError("--min-lr must not exceed --learning-rate")
+    _validate_lora(config)
     if config.ddp_static_graph and config.accumulation_steps > 1:
         raise UserError(
             "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "
             "crashes under no_sync with a static graph, pytorch/pytorch#143580); drop one of them"
         )
+
+
+def _validate_lora(config: TrainConfig) -> None:
+    """Reject LoRA hyperparameters peft cannot use (checked whatever --peft is)."""
+    if config.lora_rank < 1 or config.lora_alpha <= 0:
+        raise UserError(
+            f"--lora-rank must be >= 1 and --lora-alpha > 0, got {config.lora_rank} and "
+            f"{config.lora_alpha}"
+        )
+    if not 0.0 <= config.lora_dropout < 1.0:
+        raise UserError(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")
+    if not config.lora_target_modules:
+        raise UserError("--lora-target-modules is empty; name modules or use all-linear")
 
 
 def _flag(name: str) -> str:

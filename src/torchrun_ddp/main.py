@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
-from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from torchrun_ddp.checkpoint import (
@@ -75,8 +75,10 @@ from torchrun_ddp.faults import fault_point
 from torchrun_ddp.memory_plan import (
     MemoryPlan,
     PlanSettings,
+    active_parameter_count,
     llama2_7b_config,
     meta_model,
+    missing_sizes,
     model_flops_per_token,
     parameter_sizes,
     plan_memory,
@@ -92,6 +94,8 @@ from torchrun_ddp.metrics import (
     restart_records,
 )
 from torchrun_ddp.model import (
+    LoraSettings,
+    apply_lora,
     autocast_context,
     build_model,
     compile_model,
@@ -99,6 +103,8 @@ from torchrun_ddp.model import (
     load_model_config,
     max_positions,
     parameter_count,
+    save_lora_outputs,
+    trainable_parameter_sizes,
     wrap_ddp,
 )
 from torchrun_ddp.optimizer import build_optimizer, build_scheduler
@@ -221,8 +227,21 @@ def check_causal_lm(model_config: PretrainedConfig, name: str) -> None:
     )
 
 
-def plan_settings(config: TrainConfig, world_size: int, memory_gib: float) -> PlanSettings:
-    """The memory plan's view of this run's settings, on devices of ``memory_gib`` GiB."""
+def lora_settings(config: TrainConfig) -> LoraSettings:
+    """The LoRA hyperparameters of the config."""
+    return LoraSettings(
+        rank=config.lora_rank,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        target_modules=tuple(config.lora_target_modules),
+    )
+
+
+def plan_settings(
+    config: TrainConfig, world_size: int, memory_gib: float, adapter_sizes: tuple[int, ...] = ()
+) -> PlanSettings:
+    """The memory plan's view of this run's settings, on devices of ``memory_gib`` GiB
+    (``adapter_sizes``: the LoRA adapters' element counts under --peft lora)."""
     return PlanSettings(
         world_size=world_size,
         micro_batch=config.batch_size,
@@ -235,6 +254,7 @@ def plan_settings(config: TrainConfig, world_size: int, memory_gib: float) -> Pl
         gradient_as_bucket_view=config.gradient_as_bucket_view,
         accumulation_steps=config.accumulation_steps,
         fused_adamw=config.adamw_implementation == "fused",
+        adapter_sizes=adapter_sizes,
     )
 
 
@@ -243,16 +263,24 @@ def plan_run(
 ) -> tuple[MemoryPlan, list[str]]:
     """This run's per-rank memory plan (parameters counted on the meta device) and, when it does
     not fit, the setting changes that would make it fit."""
-    sizes = parameter_sizes(meta_model(model_config))
-    state, buffers = state_bytes(
-        compression_settings(config), sizes, world_size, config.ddp_bucket_cap_mb * 2**20
+    model = meta_model(model_config)
+    sizes = parameter_sizes(model)
+    active = active_parameter_count(model, model_config)
+    adapters: tuple[int, ...] = ()
+    if config.peft == "lora":
+        adapters = tuple(trainable_parameter_sizes(apply_lora(model, lora_settings(config))))
+    state, buffers = state_bytes(  # DDP buckets only what is trained: the adapters under LoRA
+        compression_settings(config),
+        list(adapters) or sizes,
+        world_size,
+        config.ddp_bucket_cap_mb * 2**20,
     )
     settings = dataclasses.replace(
-        plan_settings(config, world_size, memory_gib),
+        plan_settings(config, world_size, memory_gib, adapters),
         compression_state_bytes=state,
         compression_buffer_bytes=buffers,
     )
-    plan = plan_memory(model_config, sum(sizes), settings, parameter_sizes=sizes)
+    plan = plan_memory(model_config, sum(sizes), settings, sizes, active_parameters=active)
     if plan.fits:
         return plan, []
     return plan, suggestions(model_config, sum(sizes), settings, parameter_sizes=sizes)
@@ -271,8 +299,10 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
         model_config = load_model_config(config.model)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
     plan, hints = plan_run(config, model_config, config.plan_world_size or env.world_size, memory)
+    adapters = sum(plan.settings.adapter_sizes)
+    trained = f" (+ {adapters:,} LoRA adapter parameters, trained)" if adapters else ""
     lines = [
-        f"model {config.model}: {plan.parameters:,} parameters, "
+        f"model {config.model}: {plan.parameters:,} parameters{trained}, "
         f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
         f"plan per rank: {plan.settings.describe()}",
         plan.table(),
@@ -318,6 +348,11 @@ def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv
     uses_cuda = config.device != "cpu" and torch.cuda.is_available()
     memory = config.device_memory_gib or (visible_device_gib() if uses_cuda else 0.0)
     if not memory:
+        return
+    if missing_sizes(model_config):
+        log.warning(
+            "no memory plan: the model config lacks %s", ", ".join(missing_sizes(model_config))
+        )
         return
     plan, hints = plan_run(config, model_config, env.world_size, memory)
     if plan.fits:
@@ -415,13 +450,23 @@ def broadcast_json(value: dict[str, object], device: torch.device) -> dict[str, 
 
 def build_ddp_model(
     config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv
-) -> tuple[PreTrainedModel, DistributedDataParallel, CompressionState]:
-    """The model, its DDP wrapper with the compression comm hook, and the hook's state."""
-    model = build_model(
-        config.model, inputs.model_config, config.init, config.precision, config.seed, device
+) -> tuple[torch.nn.Module, DistributedDataParallel, CompressionState]:
+    """The model (a PeftModel under --peft lora), its DDP wrapper with the compression comm hook,
+    and the hook's state. Under LoRA, DDP sees only the adapters as parameters that need
+    gradients, so only they are bucketed and all-reduced."""
+    model: torch.nn.Module = build_model(
+        config.model,
+        inputs.model_config,
+        config.init,
+        config.precision,
+        config.seed,
+        device,
+        config.peft,
     )
     if config.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if config.peft == "lora":
+        model = apply_lora(model, lora_settings(config))
     ddp_model = wrap_ddp(
         model,
         device,
@@ -458,10 +503,11 @@ def build_trainer(
     peak, peak_source = device_peak_flops(device, compute_dtype)
     flops = flops_per_token(model, inputs.model_config, config.seq_length)
     log.info(
-        "world_size %d, device %s, backend %s, %.1fM parameters, %d tokens per step, "
-        "%.3g FLOPs per token, peak %.3g FLOP/s per rank (%s)",
+        "world_size %d, device %s, backend %s, %.1fM parameters (%.2fM trained), "
+        "%d tokens per step, %.3g FLOPs per token, peak %.3g FLOP/s per rank (%s)",
         env.world_size, device, dist.get_backend(), parameter_count(model) / 1e6,
-        tokens_per_step(config, env), flops, peak, peak_source,
+        sum(trainable_parameter_sizes(model)) / 1e6, tokens_per_step(config, env), flops, peak,
+        peak_source,
     )  # fmt: skip
     return Trainer(
         config=config,
@@ -482,10 +528,13 @@ def build_trainer(
 
 
 def flops_per_token(model: torch.nn.Module, config: PretrainedConfig, seq_length: int) -> float:
-    """Training FLOPs per token at ``seq_length`` (see ``memory_plan.model_flops_per_token``)."""
-    layers = int(getattr(config, "num_hidden_layers", 0))
-    hidden = int(getattr(config, "hidden_size", 0))
-    return model_flops_per_token(parameter_count(model), layers, hidden, seq_length)
+    """Training FLOPs per token at ``seq_length`` (see ``memory_plan.model_flops_per_token``),
+    over the parameters a token passes through (a mixture of experts runs some experts); 0 for
+    sizes a config does not name."""
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    active = active_parameter_count(model, config)
+    return model_flops_per_token(active, layers, hidden, seq_length)
 
 
 def tokens_per_step(config: TrainConfig, env: DistEnv) -> int:
@@ -584,7 +633,8 @@ def train(trainer: Trainer) -> bool:
     False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
     config = trainer.config
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
-    loader = iter(build_loader(trainer.windows, config.batch_size))
+    with torch.random.fork_rng(devices=[]):  # the iterator draws a seed from the CPU RNG, which
+        loader = iter(build_loader(trainer.windows, config.batch_size))  # resume just restored
     window, progress = Window(trainer), progress_bar(trainer, max_steps)
     if trainer.step == 0 and config.eval_every:
         trainer.metrics.log({"step": 0, **evaluate(trainer)})  # the untrained baseline
@@ -767,8 +817,9 @@ def shared_state(trainer: Trainer) -> dict[str, Stateful]:
     """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it),
     learning-rate schedule."""
     optimizer = None if trainer.config.zero1 else trainer.optimizer
+    frozen_base = trainer.config.peft != "none"  # rebuilt from --model (and --seed) on resume
     return {
-        "train": ModelAndOptimizer(trainer.model, optimizer),
+        "train": ModelAndOptimizer(trainer.model, optimizer, trainable_only=frozen_base),
         "scheduler": trainer.scheduler,
     }
 
@@ -837,10 +888,20 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
 
 
 def save_final_model(trainer: Trainer) -> None:
-    """Rank 0 writes ``<output_dir>/final_model`` (safetensors + tokenizer); all ranks wait."""
+    """Rank 0 writes ``<output_dir>/final_model`` (safetensors + tokenizer); all ranks wait.
+
+    Under --peft lora it first writes the adapter to ``<output_dir>/adapter`` (peft's
+    ``save_pretrained``), then merges it into the base weights: ``final_model`` is then a plain
+    model that ``AutoModelForCausalLM.from_pretrained`` loads."""
     if trainer.env.is_main:
-        target = Path(trainer.config.output_dir) / "final_model"
-        trainer.model.module.save_pretrained(target, safe_serialization=True)
+        output = Path(trainer.config.output_dir)
+        target = output / "final_model"
+        model = trainer.model.module
+        if trainer.config.peft == "lora":
+            save_lora_outputs(model, output / "adapter", target)
+            log.info("saved the LoRA adapter to %s", output / "adapter")
+        else:
+            model.save_pretrained(target, safe_serialization=True)
         trainer.tokenizer.save_pretrained(target)
         log.info("saved the final model to %s", target)
     dist.barrier()

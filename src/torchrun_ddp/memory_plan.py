@@ -1,4 +1,4 @@
-"""Dry-run memory and FLOP plan for DDP training of a LLaMA model: bytes per rank, before a run.
+"""Dry-run memory and FLOP plan for DDP training of a causal LM: bytes per rank, before a run.
 
 Everything here is byte arithmetic over the architecture; the only model ever built is a
 meta-device one (no storage) to count parameters. The plan is an estimate, not a measurement:
@@ -19,6 +19,15 @@ while activations are freed, so both are never at their maximum together. The su
 an upper bound. Not modelled: caching-allocator fragmentation on CUDA (reserved memory is usually
 a few percent above allocated), evaluation, checkpoint saving, and the first step (AdamW creates
 its state lazily, so step 1 peaks lower).
+
+Architectures: the activation and autocast rows are derived for the LLaMA decoder layer
+(``LLAMA_LAYOUT``: LLaMA, Mistral, Qwen2). Other causal LMs are planned from the same formula with
+their own sizes (FFN width, two-matrix GELU MLPs, tied embeddings, mixture-of-experts widths) and
+those rows are marked approximate; weights, gradients, buckets and optimizer state are counted
+exactly from the meta-device model for every architecture. LoRA (``PlanSettings.adapter_sizes``):
+frozen base weights (bf16, or fp32 under fp32), fp32 adapters with their gradients and AdamW
+moments; activations are full fine-tuning's estimate for a bf16 residual stream (approximate:
+frozen linears save less, adapters add rank-wide tensors).
 
 Sources: DDP buckets, https://pytorch.org/docs/stable/notes/ddp.html; ZeRO stage 1, Rajbhandari
 et al. 2020 and ``torch.distributed.optim.ZeroRedundancyOptimizer``; activation accounting in
@@ -107,9 +116,23 @@ def model_flops_per_token(parameters: int, layers: int, hidden: int, seq_length:
     return 6.0 * parameters + 12.0 * layers * hidden * seq_length
 
 
+LLAMA_LAYOUT = ("llama", "mistral", "qwen2")
+"""``model_type``s whose decoder layer is LLaMA's (RMSNorm, q/k/v/o, gated SiLU MLP): the layout
+the activation and autocast rows are derived for."""
+
+UNGATED_MLP = ("gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "phi", "falcon", "bloom")
+"""``model_type``s whose MLP has two matrices (up, activation, down) instead of LLaMA's three."""
+
+
 @dataclass(frozen=True)
 class Architecture:
-    """The sizes of a LLaMA-style decoder the plan needs (from a transformers config)."""
+    """The sizes of a decoder-only transformer the plan needs (from a transformers config).
+
+    ``intermediate`` is the FFN width of one expert (of the dense MLP when ``experts`` is 1);
+    ``experts_per_token`` experts run per token, plus ``shared_intermediate`` of a shared expert
+    (Qwen2-MoE). ``exact`` is False outside ``LLAMA_LAYOUT``: activations and autocast copies are
+    then approximate.
+    """
 
     layers: int
     hidden: int
@@ -120,6 +143,16 @@ class Architecture:
     vocab: int
     max_positions: int
     tied_embeddings: bool
+    ffn_matrices: int = 3
+    experts: int = 1
+    experts_per_token: int = 1
+    shared_intermediate: int = 0
+    exact: bool = True
+
+    @property
+    def active_intermediate(self) -> int:
+        """FFN width a token passes through: its experts' widths plus the shared expert's."""
+        return self.experts_per_token * self.intermediate + self.shared_intermediate
 
     @property
     def q_dim(self) -> int:
@@ -132,10 +165,14 @@ class Architecture:
         return self.kv_heads * self.head_dim
 
     def layer_linear_parameters(self) -> int:
-        """Weights of one decoder layer's seven bias-free ``nn.Linear`` (q, k, v, o, gate, up,
-        down), in elements."""
+        """Weights of one decoder layer's linear maps, in elements: LLaMA's seven bias-free
+        ``nn.Linear`` (q, k, v, o, gate, up, down); two MLP matrices for ungated MLPs; every
+        expert's MLP and the router for mixtures of experts."""
         attention = self.hidden * (2 * self.q_dim + 2 * self.kv_dim)
-        return attention + 3 * self.hidden * self.intermediate
+        ffn = self.ffn_matrices * self.hidden * (self.experts * self.intermediate)
+        ffn += self.ffn_matrices * self.hidden * self.shared_intermediate
+        router = self.experts * self.hidden if self.experts > 1 else 0
+        return attention + ffn + router
 
     def parameter_sizes(self) -> list[int]:
         """Element counts of ``LlamaForCausalLM``'s parameters in module order (embedding,
@@ -147,30 +184,77 @@ class Architecture:
         return [self.vocab * self.hidden, *layer * self.layers, self.hidden, *head]
 
 
-def architecture(config: PretrainedConfig) -> Architecture:
-    """Read the decoder sizes from a LLaMA-style config.
+_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+"""Sizes every decoder-only config has (transformers maps GPT-2's n_layer, n_embd, n_head)."""
 
-    Raises UserError when a size is missing (not a decoder-only transformer config).
+
+def missing_sizes(config: PretrainedConfig) -> list[str]:
+    """The sizes of ``_REQUIRED`` that ``config`` lacks; [] when the plan can be made."""
+    return [name for name in _REQUIRED if not getattr(config, name, None)]
+
+
+def _ffn_sizes(config: PretrainedConfig) -> dict[str, int]:
+    """FFN width per expert, expert counts and shared-expert width of any causal LM config.
+
+    Dense: ``intermediate_size``, else GPT-2's ``n_inner``, else 4 x hidden (GPT-2's default).
+    Mixture of experts: ``num_local_experts`` (Mixtral) or ``num_experts`` (Qwen2-MoE) experts of
+    ``moe_intermediate_size`` (else ``intermediate_size``), ``num_experts_per_tok`` per token, and
+    ``shared_expert_intermediate_size``.
     """
-    names = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
-    missing = [name for name in names if not getattr(config, name, None)]
-    if missing or not getattr(config, "vocab_size", None):
+    hidden = int(config.hidden_size)
+    dense = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not experts or int(experts) <= 1:
+        return {"intermediate": int(dense or 4 * hidden)}
+    width = getattr(config, "moe_intermediate_size", None) or dense or 4 * hidden
+    return {
+        "intermediate": int(width),
+        "experts": int(experts),
+        "experts_per_token": int(getattr(config, "num_experts_per_tok", None) or 1),
+        "shared_intermediate": int(getattr(config, "shared_expert_intermediate_size", None) or 0),
+    }
+
+
+def architecture(config: PretrainedConfig) -> Architecture:
+    """Read the decoder sizes from a causal LM config (LLaMA, GPT-2, Mistral, Qwen2, MoE, ...).
+
+    Raises UserError when a size of ``_REQUIRED`` is missing (not a decoder-only transformer
+    config); callers that must not refuse a run check ``missing_sizes`` first.
+    """
+    missing = missing_sizes(config)
+    if missing:
         raise UserError(
-            f"model config lacks {', '.join(missing) or 'vocab_size'}; the memory plan needs a "
-            "LLaMA-style decoder config (hidden_size, intermediate_size, layers, heads, vocab)"
+            f"model config lacks {', '.join(missing)}; the memory plan needs a decoder-only "
+            "transformer config (hidden size, layers, attention heads, vocabulary)"
         )
     heads = int(config.num_attention_heads)
+    model_type = str(getattr(config, "model_type", ""))
+    ungated = model_type in UNGATED_MLP or not hasattr(config, "intermediate_size")
     return Architecture(
         layers=int(config.num_hidden_layers),
         hidden=int(config.hidden_size),
-        intermediate=int(config.intermediate_size),
         heads=heads,
         kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
         vocab=int(config.vocab_size),
         max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        ffn_matrices=2 if ungated else 3,
+        exact=model_type in LLAMA_LAYOUT,
+        **_ffn_sizes(config),
     )
+
+
+def active_parameter_count(model: torch.nn.Module, config: PretrainedConfig) -> int:
+    """Parameters one token passes through, for FLOPs: all of them in a dense model; in a mixture
+    of experts, each expert parameter (names with ``.experts.``, e.g. Mixtral's 3-D
+    ``mlp.experts.gate_up_proj``) counts ``experts_per_token / experts`` of itself."""
+    ffn = _ffn_sizes(config)
+    share = ffn.get("experts_per_token", 1) / ffn.get("experts", 1)
+    total = 0.0
+    for name, param in model.named_parameters():
+        total += param.numel() * (share if ".experts." in name else 1.0)
+    return round(total)
 
 
 @dataclass(frozen=True)
@@ -202,6 +286,14 @@ class PlanSettings:
     """Persistent comm-hook state per rank, bytes (error-feedback residuals, PowerSGD memories)."""
     compression_buffer_bytes: int = 0
     """Comm-hook payloads and decode buffers alive at the end of backward, bytes per rank."""
+    adapter_sizes: tuple[int, ...] = ()
+    """LoRA: element counts of the adapter parameters, the only ones that train (fp32); empty
+    for full fine-tuning. The base weights are then frozen: bf16, or fp32 under fp32."""
+
+    @property
+    def lora(self) -> bool:
+        """Whether only LoRA adapters train."""
+        return bool(self.adapter_sizes)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -226,6 +318,7 @@ class PlanSettings:
         parts += ["zero1"] if self.zero1 else []
         parts += ["checkpointing"] if self.activation_checkpointing else []
         parts += ["grad bucket view"] if self.gradient_as_bucket_view else []
+        parts += ["LoRA"] if self.lora else []
         return (
             f"{' + '.join(parts)}, {self.world_size} x {self.device_memory_gib:g} GiB, "
             f"micro-batch {self.micro_batch} x {self.seq_length} tokens"
@@ -319,7 +412,8 @@ def activation_estimate(arch: Architecture, settings: PlanSettings) -> Activatio
     """
     tokens = settings.micro_batch * settings.seq_length
     saved = _SAVED[settings.precision]
-    width = saved.norms * arch.hidden + saved.query * arch.q_dim + saved.mlp * arch.intermediate
+    mlp = saved.mlp * arch.active_intermediate
+    width = saved.norms * arch.hidden + saved.query * arch.q_dim + mlp
     per_token = width + saved.key_value * arch.kv_dim + 4 * arch.heads + 2 * 4
     layer = tokens * per_token
     per_layer = layer
@@ -390,6 +484,9 @@ class MemoryPlan:
     compression_state: int = 0
     compression_buffers: int = 0
     phases: dict[str, int] = field(default_factory=dict)
+    approximate: tuple[str, ...] = ()
+    """Rows estimated by analogy rather than derived for this architecture: ``activations``
+    and ``autocast`` outside ``LLAMA_LAYOUT``, ``activations`` under LoRA."""
 
     @property
     def total(self) -> int:
@@ -438,11 +535,15 @@ class MemoryPlan:
             " (the gradients are views into them)" if self.settings.gradient_as_bucket_view else ""
         )
         kernel = "fused" if self.settings.fused_adamw else "foreach"
+        weights, trained = "weights", ""
+        if self.settings.lora:
+            base = "fp32" if self.settings.precision == "fp32" else "bf16"
+            weights, trained = f"weights (frozen {base} base + fp32 LoRA adapters)", " of adapters"
         rows = [
-            ("weights", self.weights),
-            ("gradients", self.gradients),
+            (weights, self.weights),
+            (f"gradients{trained}", self.gradients),
             (f"DDP buckets (about {buckets} of {cap:g} MiB{views})", self.ddp_buckets),
-            ("optimizer state (AdamW moments)", self.optimizer_state),
+            (f"optimizer state (AdamW moments{trained})", self.optimizer_state),
             (f"optimizer step temporaries ({kernel} AdamW)", self.optimizer_step_temporaries),
             ("activations (per micro-batch, with the loss)", self.activations),
             ("autocast bf16 weight copies", self.autocast_weight_copies),
@@ -451,7 +552,9 @@ class MemoryPlan:
             ("overhead (CUDA context, NCCL / process baseline)", self.overhead),
         ]
         lines = [f"| {self.settings.describe()} | GiB per rank |", "|---|---:|"]
-        lines += [f"| {name} | {size / GIB:.2f} |" for name, size in rows]
+        for name, size in rows:
+            rough = any(name.startswith(row) for row in self.approximate)
+            lines.append(f"| {name}{' (approximate)' if rough else ''} | {size / GIB:.2f} |")
         lines += [
             f"| **total (peak, at {self.peak_phase})** | **{self.total / GIB:.2f}** |",
             f"| sum of all rows (upper bound) | {self.upper_bound / GIB:.2f} |",
@@ -466,6 +569,7 @@ def plan_memory(
     parameters: int,
     settings: PlanSettings,
     parameter_sizes: Sequence[int] | None = None,
+    active_parameters: int | None = None,
 ) -> MemoryPlan:
     """The per-rank memory plan of DDP training with torch's foreach AdamW, in bytes.
 
@@ -483,8 +587,14 @@ def plan_memory(
     saved activations + forward logits + autocast copies; start of backward = P + saved
     activations + backward logits (+ copies still saved); end of backward = P + gradients + one
     layer's activations; optimizer step = P + gradients + step temporaries. Gradients join the
-    first two when accumulation keeps them or they are bucket views. Raises UserError when the
-    config is not a decoder config or ``seq_length`` exceeds its positions.
+    first two when accumulation keeps them or they are bucket views.
+
+    LoRA (``settings.adapter_sizes``, ``parameters`` = the base model's): weights are the frozen
+    base (2 B, or 4 B under fp32) plus the fp32 adapters; gradients, buckets, moments and step
+    temporaries cover the adapters only, at fp32 sizes (see ``_lora_plan``). FLOPs per token use
+    ``active_parameters`` when given (a mixture of experts runs only some experts per token).
+    Raises UserError when the config is not a decoder config or ``seq_length`` exceeds its
+    positions.
     """
     arch = architecture(config)
     if arch.max_positions and settings.seq_length > arch.max_positions:
@@ -492,6 +602,8 @@ def plan_memory(
             f"seq_length {settings.seq_length} exceeds the model's {arch.max_positions} "
             "positions; plan a shorter sequence"
         )
+    if settings.lora:
+        return _lora_plan(arch, parameters, settings, active_parameters)
     size = _PRECISION_BYTES[settings.precision]
     shard = parameters
     if settings.zero1:
@@ -513,10 +625,52 @@ def plan_memory(
         compression_state=settings.compression_state_bytes,
         compression_buffers=settings.compression_buffer_bytes,
         flops_per_token=model_flops_per_token(
-            parameters, arch.layers, arch.hidden, settings.seq_length
+            active_parameters or parameters, arch.layers, arch.hidden, settings.seq_length
         ),
+        approximate=() if arch.exact else ("activations", "autocast"),
     )
     return replace(plan, phases=_phases(plan, activations, copies_backward))
+
+
+def _lora_plan(
+    arch: Architecture, parameters: int, settings: PlanSettings, active: int | None
+) -> MemoryPlan:
+    """``plan_memory`` under LoRA: frozen base weights, fp32 adapters (A: r x in, B: out x r)
+    with fp32 gradients, buckets and AdamW moments (ZeRO-1 partitions the adapters).
+
+    Activations: the full fine-tuning estimate with bf16 coefficients when the base is bf16 (the
+    residual stream is then bf16), fp32 ones under fp32; approximate, because frozen linears do
+    not save their inputs while each adapter saves its (dropped-out) input and an r-wide tensor.
+    Autocast copies (bf16-mixed): only the adapters' weights are cast (2 B each); the base is
+    already bf16.
+    """
+    trainable = sum(settings.adapter_sizes)
+    base_bytes = 4 if settings.precision == "fp32" else 2
+    shard = trainable
+    if settings.zero1:
+        shard = zero_shard(trainable, settings.world_size, settings.adapter_sizes)
+    activation_precision = "fp32" if settings.precision == "fp32" else "bf16"
+    activations = activation_estimate(arch, replace(settings, precision=activation_precision))
+    copies = 2 * trainable if settings.precision == "bf16-mixed" else 0
+    plan = MemoryPlan(
+        settings=settings,
+        parameters=parameters,
+        weights=parameters * base_bytes + 4 * trainable,
+        gradients=4 * trainable,
+        ddp_buckets=0 if settings.gradient_as_bucket_view else 4 * trainable,
+        optimizer_state=2 * 4 * shard,
+        optimizer_step_temporaries=0 if settings.fused_adamw else 4 * shard,
+        autocast_weight_copies=copies,
+        activations=activations.saved + activations.loss_backward,
+        overhead=int(settings.overhead_gib * GIB),
+        compression_state=settings.compression_state_bytes,
+        compression_buffers=settings.compression_buffer_bytes,
+        flops_per_token=model_flops_per_token(
+            active or parameters, arch.layers, arch.hidden, settings.seq_length
+        ),
+        approximate=("activations",) if arch.exact else ("activations", "autocast"),
+    )
+    return replace(plan, phases=_phases(plan, activations, copies))
 
 
 def _phases(plan: MemoryPlan, act: ActivationEstimate, copies_backward: int) -> dict[str, int]:

@@ -1,17 +1,23 @@
-"""Build the LLaMA model (pretrained weights or a seeded random init) and wrap it in DDP.
+"""Build the causal LM (pretrained weights or a seeded random init), add LoRA adapters, wrap it in
+DDP.
 
-Uses transformers' ``LlamaForCausalLM`` (Touvron et al. 2023, "Llama 2"); any causal LM that
-``AutoModelForCausalLM`` loads works the same way.
+Any architecture ``AutoModelForCausalLM`` builds works: LLaMA (Touvron et al. 2023, "Llama 2")
+is the default, and GPT-2, Mistral, Qwen2 and Mixtral (mixture of experts) are tested. LoRA (Hu
+et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") comes from the ``peft``
+library.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from huggingface_hub import get_token
+from peft import LoraConfig, PeftModel, get_peft_model
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -23,6 +29,9 @@ GATED_ORGS = ("meta-llama/",)
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.float32, "bf16": torch.bfloat16}
 """Weight dtype of each ``--precision``: bf16-mixed keeps float32 weights (autocast computes in
 bfloat16), bf16 stores the weights themselves in bfloat16."""
+
+PEFT_METHODS = ("none", "lora")
+"""``--peft``: none trains every weight; lora trains low-rank adapters on a frozen base."""
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -73,17 +82,35 @@ def max_positions(config: PretrainedConfig) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 0)
 
 
+def weight_dtype(precision: str, peft: str = "none") -> torch.dtype:
+    """The dtype the base model's weights are stored in.
+
+    Full fine-tuning: ``PRECISION_DTYPES[precision]``. LoRA: the frozen base weights need no
+    fp32 master copy (they are never updated), so they are stored in bfloat16 under bf16-mixed
+    and bf16; under fp32 they stay float32 (for CPUs without bf16 arithmetic).
+    """
+    if peft == "lora" and precision != "fp32":
+        return torch.bfloat16
+    return PRECISION_DTYPES[precision]
+
+
 def build_model(
-    name: str, config: PretrainedConfig, init: str, precision: str, seed: int, device: torch.device
+    name: str,
+    config: PretrainedConfig,
+    init: str,
+    precision: str,
+    seed: int,
+    device: torch.device,
+    peft: str = "none",
 ) -> PreTrainedModel:
-    """The causal LM on ``device`` with weights in ``PRECISION_DTYPES[precision]``,
+    """The causal LM on ``device`` with weights in ``weight_dtype(precision, peft)``,
     ``use_cache=False`` for training.
 
     ``init="pretrained"`` loads weights with ``from_pretrained`` (HF_TOKEN is read from the
     environment by huggingface_hub); ``init="random"`` builds the architecture from ``config``
     after ``torch.manual_seed(seed)``, so every rank starts from the same weights.
     """
-    torch_dtype = PRECISION_DTYPES[precision]
+    torch_dtype = weight_dtype(precision, peft)
     if init == "pretrained":
         try:
             model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch_dtype)
@@ -94,6 +121,69 @@ def build_model(
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     model.config.use_cache = False
     return model.to(device)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA's hyperparameters (peft ``LoraConfig``): adapter rank r, scaling alpha (the update
+    is ``(alpha / r) B A x``), dropout on the adapter's input, and the modules that get
+    adapters: names or name suffixes, or ``["all-linear"]`` for every linear layer but the output
+    head."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.1
+    target_modules: tuple[str, ...] = ("all-linear",)
+
+
+def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> PeftModel:
+    """Freeze ``model`` and add trainable LoRA adapters with peft's ``get_peft_model``.
+
+    The base weights keep their dtype and get ``requires_grad=False``, so DDP puts them in no
+    gradient bucket and AdamW holds no state for them; the adapters ``lora_A`` (r x in, Kaiming
+    uniform from the global RNG) and ``lora_B`` (out x r, zeros, so training starts from the base
+    model) are float32 (peft's ``autocast_adapter_dtype``) whatever the base dtype. Works on meta
+    models too (the memory plan counts adapters this way). Raises UserError when no module
+    matches ``settings.target_modules``.
+    """
+    targets: str | list[str] = list(settings.target_modules)
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    lora = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        with warnings.catch_warnings():  # peft calls transformers' deprecated alias
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+            return get_peft_model(model, lora, autocast_adapter_dtype=True)
+    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+        raise UserError(
+            f"--peft lora with --lora-target-modules {' '.join(settings.target_modules)}: "
+            f"{_first_line(exc)}; change --lora-target-modules (e.g. q_proj v_proj) or, for "
+            "mixture-of-experts models, whose experts all-linear includes, --lora-dropout 0"
+        ) from exc
+
+
+def save_lora_outputs(model: PeftModel, adapter_dir: Path, merged_dir: Path) -> None:
+    """Write the adapter (``PeftModel.save_pretrained``: ``adapter_config.json`` and
+    ``adapter_model.safetensors``) to ``adapter_dir``, then merge the adapters into the base
+    weights (``merge_and_unload``: ``W + (alpha / r) B A`` in the base dtype) and write that plain
+    model with ``save_pretrained`` to ``merged_dir``, loadable by
+    ``AutoModelForCausalLM.from_pretrained``. Merging changes ``model`` in place: call it last.
+    """
+    model.save_pretrained(adapter_dir, safe_serialization=True, save_embedding_layers=False)
+    merged = model.merge_and_unload()
+    merged.save_pretrained(merged_dir, safe_serialization=True)
+
+
+def trainable_parameter_sizes(model: torch.nn.Module) -> list[int]:
+    """Element counts of the parameters that train (``requires_grad``), in module order."""
+    return [p.numel() for p in model.parameters() if p.requires_grad]
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
