@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from torchrun_ddp import main
 from torchrun_ddp.config import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.main import (
@@ -21,7 +20,6 @@ from torchrun_ddp.main import (
     save_final_model,
     train,
 )
-from torchrun_ddp.metrics import measure_cpu_peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,25 +52,13 @@ def tiny_model_path(name: str) -> Path:
     return REPO / "configs" / "tiny-models" / name / "config.json"
 
 
-def _small_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """``device_peak_flops`` for CPU ranks, measured on 256 x 256 matrices. Not cached: the
-    measurement draws its matrices from the global RNG after the trainer seeds it, so every
-    trainer built in a process must measure, as every real run does."""
-    return measure_cpu_peak_flops(size=256, dtype=dtype), "measured 256 x 256 matmul"
-
-
 def train_in_group(rank: int, world_size: int, argv: list[str], export: bool = True) -> Trainer:
     """Run one training job on an initialised process group, as ``main.run`` does after
     ``init_distributed``: the real inputs, DDP model, optimizer, data, loop, checkpoints and
     final outputs. Returns the trainer (the loop's state after the last step).
 
     With ``export=False`` the final model is not saved (under LoRA saving merges the adapters
-    into the model, so call ``save_final_model`` after inspecting the trained adapters).
-
-    The CPU matmul peak for MFU is measured on 256 x 256 matrices (``_small_peak``): the
-    trainer's 2048 x 2048 measurement takes seconds in fp32 and minutes in bf16 on CPUs without
-    bf16 units, and no test here checks MFU."""
-    main.device_peak_flops = _small_peak
+    into the model, so call ``save_final_model`` after inspecting the trained adapters)."""
     config = parse_config(argv)
     env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
     inputs = prepare_inputs(config, env)

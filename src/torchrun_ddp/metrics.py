@@ -219,16 +219,19 @@ def measure_cpu_peak_flops(
     avx512_bf16/AMX runs about 1,000x slower than fp32) measures in seconds, not minutes. The
     rate is the best of ``trials`` timings of two products each, so a moment of contention (the
     other ranks starting up on the same cores) does not lower the peak and push MFU above 1.
+    The matrices come from a private generator: the global RNG, which a resumed run restores,
+    is not touched, whatever size the timing picks.
     """
+    generator = torch.Generator().manual_seed(0)
     side = 128
-    a, b = torch.randn(side, side, dtype=dtype), torch.randn(side, side, dtype=dtype)
+    a, b = torch.randn(2, side, side, generator=generator).to(dtype)
     while side < size:
         start = time.perf_counter()
         a @ b  # also the warm-up of the size finally timed
         if (time.perf_counter() - start) * 8 > budget_s:  # the next size costs 8x
             break
         side *= 2
-        a, b = torch.randn(side, side, dtype=dtype), torch.randn(side, side, dtype=dtype)
+        a, b = torch.randn(2, side, side, generator=generator).to(dtype)
     a @ b  # warm-up
     best = 0.0
     for _ in range(trials):
