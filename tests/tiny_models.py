@@ -14,10 +14,9 @@ from torchrun_ddp.config import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.main import (
     Trainer,
-    build_trainer,
     prepare_inputs,
-    resume,
     save_final_model,
+    start,
     train,
 )
 
@@ -62,8 +61,7 @@ def train_in_group(rank: int, world_size: int, argv: list[str], export: bool = T
     config = parse_config(argv)
     env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
     inputs = prepare_inputs(config, env)
-    trainer = build_trainer(config, env, torch.device("cpu"), inputs)
-    resume(trainer)
+    trainer = start(config, env, torch.device("cpu"), inputs)
     if train(trainer) and export:
         save_final_model(trainer)
     trainer.metrics.close()

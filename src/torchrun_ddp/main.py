@@ -387,13 +387,7 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     init_distributed(env, device, config.backend, config.timeout_s)
     try:
-        plan = agree_on_start(config, env, device)
-        trainer = build_trainer(config, env, device, inputs, plan.run_id)
-        resume(trainer, plan)
-        if env.is_main:
-            metrics = Path(config.output_dir) / "metrics.jsonl"
-            restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
-            save_config(config, Path(config.output_dir) / "config.toml")
+        trainer = start(config, env, device, inputs)
         finished = train(trainer)
         if finished:
             save_final_model(trainer)
@@ -401,6 +395,19 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
         return finished
     finally:
         shutdown_distributed()
+
+
+def start(config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs) -> Trainer:
+    """Collective: agree on what to resume, build this rank's trainer and resume it; rank 0 then
+    trims ``metrics.jsonl`` to the resumed step and saves the resolved config."""
+    plan = agree_on_start(config, env, device)
+    trainer = build_trainer(config, env, device, inputs, plan.run_id)
+    resume(trainer, plan)
+    if env.is_main:
+        metrics = Path(config.output_dir) / "metrics.jsonl"
+        restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
+        save_config(config, Path(config.output_dir) / "config.toml")
+    return trainer
 
 
 def decide_start(config: TrainConfig) -> StartPlan:
