@@ -82,8 +82,8 @@ _META_JSON = "meta.json"
 _HINT = "use --no-resume or a matching --resume-from"
 RUN_FILE = "run.json"
 _OTHER_RUN = (
-    "pass a new --checkpoint-dir (and --output-dir), or add --overwrite-output-dir to delete "
-    "the old run's checkpoints and metrics"
+    "pass a new --checkpoint-dir (and --output-dir), or add --no-resume --overwrite-output-dir "
+    "to delete the old run's checkpoints and metrics"
 )
 
 
@@ -227,6 +227,7 @@ def save_checkpoint(
         _remove_incomplete(root)
         tmp.mkdir(parents=True)
     _barrier()
+    failure: BaseException | None = None
     try:
         if shared_tensors:  # the same on every rank, so all or none enter the collective
             dcp.save(_unshared(shared_tensors), storage_writer=_writer(tmp / _DCP_DIR))
@@ -239,11 +240,13 @@ def save_checkpoint(
     except (OSError, CheckpointException) as exc:
         if not _disk_full(exc):
             raise
+        failure = exc
+    if not _every_rank_ok(failure is None):  # one rank's full disk stops every rank alike
         raise UserError(
             f"no space left on the device of --checkpoint-dir {root} while writing step {step}; "
             "the newest complete checkpoint is kept: free space (or lower --keep-checkpoints) "
             "and restart to resume from it"
-        ) from exc
+        ) from failure
     fault_point("checkpoint-write", step)
     _barrier()
     if rank == 0:
@@ -673,6 +676,18 @@ def _rank_and_world() -> tuple[int, int]:
     if _distributed():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _every_rank_ok(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (one all-reduce MIN; just ``ok`` without a group)."""
+    if not _distributed():
+        return ok
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _barrier() -> None:

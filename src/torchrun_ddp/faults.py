@@ -20,6 +20,11 @@ ENV = "TORCHRUN_DDP_FAULT"
 POINTS = ("step", "checkpoint-write", "publish", "metrics")
 
 
+def fault_armed() -> bool:
+    """Whether ``TORCHRUN_DDP_FAULT`` is set (production code then takes its normal path)."""
+    return bool(os.environ.get(ENV))
+
+
 def fault_point(point: str, step: int) -> None:
     """SIGKILL this process if ``TORCHRUN_DDP_FAULT`` names ``point`` and ``step`` for this rank
     in this torchrun attempt; otherwise (the default, variable unset) do nothing."""

@@ -182,12 +182,8 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     UserError on the first problem."""
     compression_settings(config)
     check_device(config.device)
-    if config.compression_scope == "inter-node" and env.world_size % env.local_world_size:
-        raise UserError(
-            f"--compression-scope inter-node needs the same ranks on every node, but WORLD_SIZE "
-            f"{env.world_size} is not a multiple of LOCAL_WORLD_SIZE {env.local_world_size}; "
-            "use --compression-scope global"
-        )
+    if config.compression_scope == "inter-node":
+        check_node_layout(env)
     model_config = load_model_config(config.model)
     check_causal_lm(model_config, config.model)
     limit = max_positions(model_config)
@@ -207,6 +203,24 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         train_documents=open_documents(train_files, *hub, split="train"),
         eval_documents=open_documents(eval_files, *hub, split="validation"),
     )
+
+
+def check_node_layout(env: DistEnv) -> None:
+    """Raise UserError unless the ranks form equal nodes numbered node by node, as the
+    node-aware scope's groups (``distributed.new_node_groups``) need; checked before the process
+    group starts, so no rank waits for one that refused."""
+    per_node = env.local_world_size
+    if per_node < 1 or env.world_size % per_node:
+        raise UserError(
+            f"--compression-scope inter-node needs the same ranks on every node, but WORLD_SIZE "
+            f"{env.world_size} is not a multiple of LOCAL_WORLD_SIZE {per_node}; "
+            "use --compression-scope global"
+        )
+    if env.rank != env.rank // per_node * per_node + env.local_rank:
+        raise UserError(
+            f"--compression-scope inter-node needs ranks numbered node by node, but rank "
+            f"{env.rank} has LOCAL_RANK {env.local_rank}; use --compression-scope global"
+        )
 
 
 def check_device(device: str) -> None:
@@ -310,16 +324,19 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     if hints:
         lines.append("would fit with:")
         lines.extend(f"  {hint}" for hint in hints)
-    lines.append(communication_plan(config, env, model_config, plan.flops_per_token))
+    # DDP buckets what trains: under LoRA only the adapters cross the wire.
+    sizes = list(plan.settings.adapter_sizes) or parameter_sizes(meta_model(model_config))
+    lines.append(communication_plan(config, env, sizes, plan.flops_per_token))
     return "\n".join(lines)
 
 
 def communication_plan(
-    config: TrainConfig, env: DistEnv, model_config: PretrainedConfig, flops_per_token: float
+    config: TrainConfig, env: DistEnv, sizes: list[int], flops_per_token: float
 ) -> str:
     """Wire bytes and predicted times per step of this run's method and the reference methods
-    (``compression.plan``), for --plan-world-size ranks (else WORLD_SIZE), --plan-gpus-per-node
-    and the --plan-*-gbit links; compute at --plan-tflops per rank."""
+    (``compression.plan``) for gradients of ``sizes`` elements (the trained parameters), for
+    --plan-world-size ranks (else WORLD_SIZE), --plan-gpus-per-node and the --plan-*-gbit links;
+    compute at --plan-tflops per rank."""
     world = config.plan_world_size or env.world_size
     per_node = min(config.plan_gpus_per_node, world)
     topo = Topology(
@@ -335,7 +352,6 @@ def communication_plan(
         f"Gbit/s between nodes; compute {compute_s:.4g} s per step ({tokens} tokens per rank at "
         f"{config.plan_tflops:g} TFLOP/s); first row: this run's --compression"
     )
-    sizes = parameter_sizes(meta_model(model_config))
     return "\n".join([header, communication_table(methods, sizes, topo, compute_s)])
 
 
@@ -403,7 +419,8 @@ def start(config: TrainConfig, env: DistEnv, device: torch.device, inputs: Input
     plan = agree_on_start(config, env, device)
     trainer = build_trainer(config, env, device, inputs, plan.run_id)
     resume(trainer, plan)
-    if env.is_main:
+    if env.is_main:  # every start check has passed: the folder now belongs to this run
+        record_run_id(checkpoint_root(config), plan.run_id)
         metrics = Path(config.output_dir) / "metrics.jsonl"
         restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
         save_config(config, Path(config.output_dir) / "config.toml")
@@ -418,7 +435,6 @@ def decide_start(config: TrainConfig) -> StartPlan:
     overwrite = config.overwrite_output_dir and not config.resume and not config.resume_from
     plan = plan_start(root, config.resume, config.resume_from, overwrite)
     check_records(Path(config.output_dir) / "metrics.jsonl", plan.run_id, overwrite)
-    record_run_id(root, plan.run_id)
     return plan
 
 
@@ -853,6 +869,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
         "epochs": config.epochs,
         "data_files": config.data_files,
         "dataset": [config.dataset, config.dataset_config] if not config.data_files else None,
+        "peft": None if config.peft == "none" else dataclasses.asdict(lora_settings(config)),
     }
 
 

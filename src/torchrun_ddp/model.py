@@ -162,6 +162,8 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> PeftModel:
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
             return get_peft_model(model, lora, autocast_adapter_dtype=True)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+        if "not found in the base model" not in str(exc) and "dropout" not in str(exc):
+            raise
         raise UserError(
             f"--peft lora with --lora-target-modules {' '.join(settings.target_modules)}: "
             f"{_first_line(exc)}; change --lora-target-modules (e.g. q_proj v_proj) or, for "
