@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from distributed_harness import run_distributed
 from tiny_models import tiny_llama_config
 
 from torchrun_ddp.compression import CompressionSettings, register_compression
-from torchrun_ddp.main import forward_backward
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.main import check_node_layout, forward_backward
 from torchrun_ddp.model import build_model, wrap_ddp
 from torchrun_ddp.optimizer import build_optimizer
 
@@ -80,3 +83,11 @@ def test_ddp_gradients_equal_single_process_on_union_batch() -> None:
         ).named_parameters()
     )
     assert changed, "the optimizer steps did not change the parameters"
+
+
+def test_node_aware_scope_needs_equal_nodes_numbered_node_by_node() -> None:
+    check_node_layout(DistEnv(rank=3, world_size=4, local_rank=1, local_world_size=2))
+    with pytest.raises(UserError, match="not a multiple of LOCAL_WORLD_SIZE 2"):
+        check_node_layout(DistEnv(rank=0, world_size=3, local_rank=0, local_world_size=2))
+    with pytest.raises(UserError, match="numbered node by node"):
+        check_node_layout(DistEnv(rank=1, world_size=4, local_rank=0, local_world_size=2))
