@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import TINY_MODELS, tiny_model_path
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from torchrun_ddp.compression import CompressionSettings
@@ -33,6 +34,7 @@ from torchrun_ddp.memory_plan import (
     architecture,
     comparison_table,
     llama2_7b_config,
+    matmul_parameter_count,
     meta_model,
     missing_sizes,
     model_flops_per_token,
@@ -434,3 +436,31 @@ def test_fit_check_never_refuses_a_config_without_decoder_sizes(
     with caplog.at_level("WARNING", logger="torchrun_ddp"):
         check_fits(run, odd, DistEnv())
     assert "no memory plan: the model config lacks num_hidden_layers" in caplog.text
+
+
+# -------------------------------------------------------------------------------------------------
+# FLOPs per token against torch's FLOP counter
+
+
+@pytest.mark.parametrize(
+    ("path", "seq_length"),
+    [
+        (REPO / "configs" / "llama-tiny" / "config.json", 256),
+        *((tiny_model_path(name), 64) for name in ("gpt2", "qwen2", "mixtral")),
+    ],
+)
+def test_flops_per_token_match_torchs_flop_counter(path: Path, seq_length: int) -> None:
+    """6 N (matmul parameters: no looked-up embedding tables) + 12 L H T is within 5% of what
+    FlopCounterMode counts for one forward and backward (untied LLaMA, tied GPT-2 with learned
+    positions, tied Qwen2, Mixtral's 2-of-4 experts)."""
+    model_config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
+    ids = torch.randint(0, model_config.vocab_size, (1, seq_length))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counted = counter.get_total_flops() / seq_length
+    n = matmul_parameter_count(model, model_config)
+    layers, hidden = model_config.num_hidden_layers, model_config.hidden_size
+    assert model_flops_per_token(n, layers, hidden, seq_length) == pytest.approx(counted, rel=0.05)
+    assert n < parameter_count(model) or model_config.tie_word_embeddings

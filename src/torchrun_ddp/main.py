@@ -75,8 +75,8 @@ from torchrun_ddp.faults import fault_point
 from torchrun_ddp.memory_plan import (
     MemoryPlan,
     PlanSettings,
-    active_parameter_count,
     llama2_7b_config,
+    matmul_parameter_count,
     meta_model,
     missing_sizes,
     model_flops_per_token,
@@ -279,7 +279,7 @@ def plan_run(
     not fit, the setting changes that would make it fit."""
     model = meta_model(model_config)
     sizes = parameter_sizes(model)
-    active = active_parameter_count(model, model_config)
+    active = matmul_parameter_count(model, model_config)
     adapters: tuple[int, ...] = ()
     if config.peft == "lora":
         adapters = tuple(trainable_parameter_sizes(apply_lora(model, lora_settings(config))))
@@ -556,7 +556,7 @@ def flops_per_token(model: torch.nn.Module, config: PretrainedConfig, seq_length
     sizes a config does not name."""
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
-    active = active_parameter_count(model, config)
+    active = matmul_parameter_count(model, config)
     return model_flops_per_token(active, layers, hidden, seq_length)
 
 

@@ -108,10 +108,12 @@ def parameter_sizes(model: torch.nn.Module) -> list[int]:
 def model_flops_per_token(parameters: int, layers: int, hidden: int, seq_length: int) -> float:
     """Training FLOPs per token, forward plus backward: ``6 N + 12 L H T``.
 
-    ``6 N``: two FLOPs per parameter per token for the forward matmuls, four for the backward;
-    ``12 L H T``: the attention scores and weighted sum over ``T`` positions in each of ``L``
-    layers of width ``H``. Kaplan et al. 2020 ("Scaling Laws for Neural Language Models") and
-    Chowdhery et al. 2022 (PaLM), appendix B; the same formula as the training metrics use.
+    ``N`` (``parameters``) counts the parameters that take part in a matmul
+    (``matmul_parameter_count``: no looked-up embedding tables). ``6 N``: two FLOPs per such
+    parameter per token for the forward matmuls, four for the backward; ``12 L H T``: the
+    attention scores and weighted sum over ``T`` positions in each of ``L`` layers of width ``H``
+    (no causal halving). Chowdhery et al. 2022 (PaLM), appendix B; the same formula as the training
+    metrics use. Checked against ``torch.utils.flop_counter.FlopCounterMode`` in the tests.
     """
     return 6.0 * parameters + 12.0 * layers * hidden * seq_length
 
@@ -255,6 +257,25 @@ def active_parameter_count(model: torch.nn.Module, config: PretrainedConfig) -> 
     for name, param in model.named_parameters():
         total += param.numel() * (share if ".experts." in name else 1.0)
     return round(total)
+
+
+def matmul_parameter_count(model: torch.nn.Module, config: PretrainedConfig) -> int:
+    """The ``N`` of the training-FLOPs formula: parameters that take part in a matmul per token.
+
+    ``active_parameter_count`` (mixture-of-experts share applied) less every embedding table that
+    is only looked up, not multiplied: the input embedding unless it is tied to the output head,
+    and learned position embeddings (GPT-2's ``wpe``). Chowdhery et al. 2022 (PaLM), appendix B,
+    count non-embedding parameters; the output head is a matmul and counts. Norm weights and
+    biases (vectors) are left in: they are under 0.1% of a model's parameters.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    lookups = sum(
+        module.weight.numel()
+        for module in model.modules()
+        if isinstance(module, torch.nn.Embedding) and module.weight is not head_weight
+    )
+    return active_parameter_count(model, config) - lookups
 
 
 @dataclass(frozen=True)

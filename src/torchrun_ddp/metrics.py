@@ -199,15 +199,35 @@ class TensorBoardSink:
 
 
 GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "RTX 4090": 165e12,
-    "V100": 125e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA L40S": 362e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12,
 }
-"""Dense bf16/fp16 tensor-core peak FLOP/s per GPU, from the vendors' data sheets (SXM parts)."""
+"""Dense (no sparsity) bf16 tensor-core peak FLOP/s per GPU, keyed by the exact name
+``torch.cuda.get_device_name`` reports: NVIDIA's data sheets for H100 (SXM 989, PCIe 756, NVL 835
+TFLOP/s), H200 (SXM 989, NVL 835), A100 (312, SXM and PCIe), L40S, L4 and A10, and the Ada
+Lovelace architecture whitepaper for the RTX 4090 (with fp32 accumulation). The sheets print the
+2:4-sparse figure first; the dense one is half of it. A name not listed reports no MFU rather than
+a guess (an "H100" substring would match PCIe and NVL parts to the SXM peak)."""
+
+
+def gpu_peak_flops(name: str) -> tuple[float, str]:
+    """The dense bf16 peak FLOP/s of the GPU called ``name`` (``GPU_PEAK_FLOPS``) and where the
+    figure comes from; (0.0, reason) for a name not in the table."""
+    peak = GPU_PEAK_FLOPS.get(name.strip())
+    if peak is None:
+        return 0.0, f"unknown GPU {name!r}: MFU not reported (no data-sheet peak for this name)"
+    return peak, f"data-sheet dense bf16 peak of {name}"
 
 
 def measure_cpu_peak_flops(
@@ -249,14 +269,11 @@ def device_peak_flops(
 ) -> tuple[float, str]:
     """Peak FLOP/s of one rank's device for matmuls in ``dtype``, and where the figure comes from.
 
-    CUDA: the bf16 data-sheet table above by device name (0 if unknown, so MFU is not reported);
-    CPU: a short matmul measurement in ``dtype`` (bf16 for bf16-mixed and bf16 runs).
+    CUDA: the dense bf16 data-sheet table above by exact device name (``gpu_peak_flops``; 0 if
+    unknown, so MFU is not reported); CPU: a short matmul measurement in ``dtype`` (bf16 for
+    bf16-mixed and bf16 runs).
     """
     if device.type != "cuda":
         name = str(dtype).removeprefix("torch.")
         return measure_cpu_peak_flops(dtype=dtype), f"measured {name} matmul on this CPU"
-    name = torch.cuda.get_device_name(device)
-    for key, peak in GPU_PEAK_FLOPS.items():
-        if key in name:
-            return peak, f"data-sheet bf16 peak of {key}"
-    return 0.0, f"unknown GPU {name}: MFU not reported"
+    return gpu_peak_flops(torch.cuda.get_device_name(device))
