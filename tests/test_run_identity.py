@@ -10,24 +10,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from distributed_harness import REPO, tiny_args
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import train  # noqa: E402
+import train
 
 
 def _args(sample_data: Path, out: Path, *extra: str) -> list[str]:
     """3 tiny steps; a record every 2 steps (the last window is partial); checkpoints at 2, 3."""
-    return [
-        "--config", str(REPO / "configs" / "tiny.toml"),
-        "--tokenizer", str(sample_data / "tokenizer" / "mistral-7b-v0.1"),
-        "--data-files", str(sample_data / "c4" / "*train*.json.gz"),
-        "--eval-files", str(sample_data / "c4" / "*validation*.json.gz"),
-        "--output-dir", str(out), "--seq-length", "32", "--batch-size", "2",
+    return tiny_args(
+        sample_data, out, "--seq-length", "32", "--batch-size", "2",
         "--max-steps", "3", "--log-every", "2", "--eval-every", "0", "--eval-batches", "1",
         "--checkpoint-every", "2", "--threads", "1", *extra,
-    ]  # fmt: skip
+    )  # fmt: skip
 
 
 def _records(out: Path) -> list[dict[str, object]]:
