@@ -68,10 +68,9 @@ from common import (
     wait_all,
 )
 
-from torchrun_ddp.compression import CompressionSettings
+from torchrun_ddp.compression import CompressionSettings, compression_settings
 from torchrun_ddp.compression.plan import Topology, estimate, predicted_step_seconds
 from torchrun_ddp.config import parse_config
-from torchrun_ddp.main import compression_settings
 from torchrun_ddp.memory_plan import meta_model, model_flops_per_token, parameter_sizes
 from torchrun_ddp.model import load_model_config
 

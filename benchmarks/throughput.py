@@ -46,7 +46,7 @@ from common import (
     wait_all,
 )
 
-from torchrun_ddp.memory_plan import meta_model, model_flops_per_token, parameter_count
+from torchrun_ddp.memory_plan import matmul_parameter_count, meta_model, model_flops_per_token
 from torchrun_ddp.metrics import measure_cpu_peak_flops
 
 
@@ -61,6 +61,8 @@ class Setting:
     compile: bool
     compression: str
     static_graph: bool = False
+    minimal: bool = False
+    """The hand-written loop of ``benchmarks/minimal_ddp.py`` instead of ``train.py``."""
 
     def flags(self) -> list[str]:
         """``train.py`` flags of this setting (besides the shared ones)."""
@@ -75,22 +77,29 @@ class Setting:
         parts = [self.precision, *(["compile"] if self.compile else [])]
         parts += [self.compression] if self.compression != "none" else []
         parts += ["static graph"] if self.static_graph else []
-        return f"{' + '.join(parts)}, {self.processes} proc x {self.threads} thr"
+        shape = f"{' + '.join(parts)}, {self.processes} proc x {self.threads} thr"
+        return f"minimal DDP loop, {shape}" if self.minimal else shape
 
 
 def _setting(name: str) -> Setting:
-    """Parse ``PxT-precision[-compile][-dct][-static]``, e.g. ``2x1-bf16-compile-dct``."""
+    """Parse ``PxT-precision[-compile][-dct][-static]`` or ``PxT-fp32-minimal`` (the
+    hand-written loop), e.g. ``2x1-bf16-compile-dct``."""
     shape, *rest = name.split("-")
     processes, threads = (int(part) for part in shape.split("x"))
     precision = {"fp32": "fp32", "bf16": "bf16-mixed"}[rest[0]]
     compression = "dct" if "dct" in rest else "none"
+    minimal = "minimal" in rest
+    if minimal and (precision != "fp32" or len(rest) > 2):
+        raise SystemExit(f"error: {name}: the minimal loop runs fp32 only; use PxT-fp32-minimal")
     return Setting(
-        name, processes, threads, precision, "compile" in rest, compression, "static" in rest
-    )
+        name, processes, threads, precision, "compile" in rest, compression, "static" in rest,
+        minimal,
+    )  # fmt: skip
 
 
 DEFAULT_SETTINGS = (
-    "2x1-fp32,1x2-fp32,1x1-fp32,2x1-bf16,2x1-fp32-compile,1x1-fp32-compile,2x1-fp32-compile-dct"
+    "2x1-fp32-minimal,2x1-fp32,1x2-fp32,1x1-fp32,2x1-bf16,2x1-fp32-compile,1x1-fp32-compile,"
+    "2x1-fp32-compile-dct"
 )
 """bf16-mixed is measured once without compile: on CPUs without avx512_bf16/AMX, bf16 matmuls
 are emulated and slower than fp32 (the peaks printed at start show it); add
@@ -128,8 +137,11 @@ def run_setting(args: argparse.Namespace, setting: Setting, run_dir: Path) -> li
     per_rank = max(1, args.batch_size // setting.processes)
     command = [sys.executable, "-m", "torch.distributed.run"]
     command += [f"--nproc_per_node={setting.processes}", "--nnodes=1", "--rdzv_backend=c10d"]
-    command += [f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(REPO / "train.py")]
+    script = REPO / ("benchmarks/minimal_ddp.py" if setting.minimal else "train.py")
+    command += [f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(script)]
     command += ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir)]
+    command += ["--model", str(REPO / "configs" / "llama-tiny" / "config.json")]
+    command += ["--learning-rate", "1e-3"]
     command += ["--output-dir", str(run_dir), "--no-resume", "--checkpoint-every", "0"]
     command += ["--overwrite-output-dir"]  # reruns replace the old run
     command += ["--max-steps", str(args.steps), "--log-every", "1", "--eval-every", "0"]
@@ -174,7 +186,7 @@ def _relative(loss: float, reference: float | None) -> str:
 def tiny_flops_per_token(seq_length: int) -> float:
     """Training FLOPs per token of configs/llama-tiny at ``seq_length`` (meta device)."""
     config = AutoConfig.from_pretrained(REPO / "configs" / "llama-tiny" / "config.json")
-    parameters = parameter_count(meta_model(config))
+    parameters = matmul_parameter_count(meta_model(config), config)
     return model_flops_per_token(
         parameters, config.num_hidden_layers, config.hidden_size, seq_length
     )
@@ -189,7 +201,9 @@ def render(rows: list[Row], peaks: dict[str, float], seq_length: int) -> str:
         if r.setting.processes == 1 and r.setting.threads == 1
     }
     fp32 = {r.setting.processes: r.loss for r in rows if r.setting.label.startswith("fp32,")}
-    header = ["setting", "tokens/s", "step s", "data s", "MFU", "scaling", "loss", "vs fp32"]
+    loops = {(r.setting.processes, r.setting.threads): r for r in rows if r.setting.minimal}
+    header = ["setting", "tokens/s", "vs loop", "step s", "data s", "MFU", "scaling", "loss"]
+    header.append("vs fp32")
     table = []
     for row in rows:
         s = row.setting
@@ -197,8 +211,10 @@ def render(rows: list[Row], peaks: dict[str, float], seq_length: int) -> str:
         one = single.get((s.precision, s.compile, s.compression))
         ok = s.processes == 2 and one is not None
         scaling = f"{row.tokens_per_s / (2 * one.tokens_per_s):.2f}" if ok else "-"
+        loop = loops.get((s.processes, s.threads))
+        versus = f"{row.tokens_per_s / loop.tokens_per_s:.2f}" if loop else "-"
         table.append([
-            s.label, f"{row.tokens_per_s:,.0f}", f"{row.step_time_s:.3f}",
+            s.label, f"{row.tokens_per_s:,.0f}", versus, f"{row.step_time_s:.3f}",
             f"{row.data_time_s:.4f}", f"{flops * row.tokens_per_s / peak:.1%}", scaling,
             f"{row.loss:.4f}", _relative(row.loss, fp32.get(s.processes)),
         ])  # fmt: skip

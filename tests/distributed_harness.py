@@ -100,11 +100,14 @@ def _worker(
     fn: Callable[..., object],
     args: tuple[object, ...],
     results: mp.SimpleQueue,
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
         )
         results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
     except BaseException:  # the parent re-raises it with the traceback
@@ -115,9 +118,14 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable[..., object], world_size: int, *args: object, timeout: float = 180.0
+    fn: Callable[..., object],
+    world_size: int,
+    *args: object,
+    timeout: float = 180.0,
+    backend: str = "gloo",
 ) -> list[object]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks and return their results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (``backend="nccl"``:
+    NCCL, rank r on GPU r) and return their results.
 
     ``fn`` must be a module-level function (spawn pickles it by name); its return value must be
     picklable (tensors are fine). Raises ``RuntimeError`` with the worker's traceback if any rank
@@ -127,7 +135,7 @@ def run_distributed(
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results))
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results, backend))
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -52,8 +52,8 @@ def test_metrics_have_the_documented_keys(tiny_run: Path) -> None:
             assert key in record, key
         assert record["tokens_per_s"] > 0 and record["peak_mem_bytes"] > 0
         # MFU is over an fp32 matmul peak measured at start-up; a shared CPU's speed drifts by
-        # about 30% during a run, so a sane value is positive and not far above 1.
-        assert 0 < record["mfu"] < 1.5, "MFU against the measured fp32 matmul peak"
+        # about 30% during a run; with matmul FLOPs (PaLM appendix B) it reads about 0.6 here.
+        assert 0 < record["mfu"] < 1, "MFU against the measured fp32 matmul peak"
         assert record["comm_bytes"] == record["comm_bytes_dense"] > 0, "no compression: dense"
         assert 0 <= record["data_time_s"] < record["step_time_s"]
 

@@ -24,8 +24,8 @@ from torchrun_ddp.compression.plan import (
 )
 from torchrun_ddp.config import TrainConfig, parse_config
 from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.dry_run import check_fits, plan_run
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.main import check_fits, plan_run
 from torchrun_ddp.memory_plan import (
     GIB,
     PlanSettings,
@@ -464,3 +464,26 @@ def test_flops_per_token_match_torchs_flop_counter(path: Path, seq_length: int) 
     layers, hidden = model_config.num_hidden_layers, model_config.hidden_size
     assert model_flops_per_token(n, layers, hidden, seq_length) == pytest.approx(counted, rel=0.05)
     assert n < parameter_count(model) or model_config.tie_word_embeddings
+
+
+def test_lora_flops_per_token_match_torchs_flop_counter() -> None:
+    """Under LoRA the frozen base costs 4 FLOPs per parameter per token (forward and input
+    gradient, no weight gradient) and the adapters 6: 4 F + 6 N_adapters + 12 L H T is within 5%
+    of FlopCounterMode's count for one forward and backward of the hidden-64 LLaMA."""
+    model_config = AutoConfig.from_pretrained(tiny_model_path("llama"))
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
+    frozen = matmul_parameter_count(base, model_config)
+    model = apply_lora(
+        base, LoraSettings(rank=8, alpha=16, dropout=0.0, target_modules=("q_proj", "v_proj"))
+    )
+    adapters = sum(trainable_parameter_sizes(model))
+    ids = torch.randint(0, model_config.vocab_size, (1, 64))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counted = counter.get_total_flops() / 64
+    layers, hidden = model_config.num_hidden_layers, model_config.hidden_size
+    predicted = model_flops_per_token(adapters, layers, hidden, 64, frozen=frozen)
+    assert predicted == pytest.approx(counted, rel=0.05)
+    full = model_flops_per_token(frozen, layers, hidden, 64)
+    assert predicted < 0.8 * full

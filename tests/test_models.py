@@ -70,7 +70,7 @@ def _worker(rank: int, world_size: int, data: str, root: str) -> dict[str, objec
         results[name] = {
             "params": digest(dict(model.named_parameters())),
             "type": type(model).__name__,
-            "flops_per_token": trainer.flops_per_token,
+            "flops_per_token": trainer.window.flops_per_token,
         }
     for peft in ("none", "lora"):
         results[f"unused-experts-{peft}"] = _unused_experts_step(rank, peft)

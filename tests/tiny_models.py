@@ -10,15 +10,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from torchrun_ddp.build import prepare_inputs
 from torchrun_ddp.config import parse_config
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.main import (
-    Trainer,
-    prepare_inputs,
-    save_final_model,
-    start,
-    train,
-)
+from torchrun_ddp.main import Trainer, save_final_model, start, train
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from types import FrameType
 
 import datasets
 import torch
@@ -179,3 +181,29 @@ def setup_logging(rank: int, verbose: bool = False) -> None:
     if not verbose:
         transformers.utils.logging.disable_progress_bar()
         datasets.disable_progress_bars()
+
+
+class StopRequest:
+    """Turns SIGTERM and SIGINT into a flag the loop checks on log steps (preemption).
+
+    The handlers are installed on entering the ``with`` block and the previous ones restored on
+    leaving it.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+    def __enter__(self) -> StopRequest:
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)

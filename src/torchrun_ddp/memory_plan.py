@@ -105,17 +105,21 @@ def parameter_sizes(model: torch.nn.Module) -> list[int]:
     return [p.numel() for p in model.parameters()]
 
 
-def model_flops_per_token(parameters: int, layers: int, hidden: int, seq_length: int) -> float:
-    """Training FLOPs per token, forward plus backward: ``6 N + 12 L H T``.
+def model_flops_per_token(
+    parameters: int, layers: int, hidden: int, seq_length: int, frozen: int = 0
+) -> float:
+    """Training FLOPs per token, forward plus backward: ``6 N + 4 F + 12 L H T``.
 
-    ``N`` (``parameters``) counts the parameters that take part in a matmul
+    ``N`` (``parameters``) counts the trained parameters that take part in a matmul
     (``matmul_parameter_count``: no looked-up embedding tables). ``6 N``: two FLOPs per such
-    parameter per token for the forward matmuls, four for the backward; ``12 L H T``: the
+    parameter per token for the forward matmuls, four for the backward (input and weight
+    gradients). ``F`` (``frozen``): frozen matmul parameters, such as a LoRA base model, cost
+    the forward and the input gradient only, ``4 F``. ``12 L H T``: the
     attention scores and weighted sum over ``T`` positions in each of ``L`` layers of width ``H``
     (no causal halving). Chowdhery et al. 2022 (PaLM), appendix B; the same formula as the training
     metrics use. Checked against ``torch.utils.flop_counter.FlopCounterMode`` in the tests.
     """
-    return 6.0 * parameters + 12.0 * layers * hidden * seq_length
+    return 6.0 * parameters + 4.0 * frozen + 12.0 * layers * hidden * seq_length
 
 
 LLAMA_LAYOUT = ("llama", "mistral", "qwen2")
@@ -687,7 +691,7 @@ def _lora_plan(
         compression_state=settings.compression_state_bytes,
         compression_buffers=settings.compression_buffer_bytes,
         flops_per_token=model_flops_per_token(
-            active or parameters, arch.layers, arch.hidden, settings.seq_length
+            trainable, arch.layers, arch.hidden, settings.seq_length, frozen=active or parameters
         ),
         approximate=("activations",) if arch.exact else ("activations", "autocast"),
     )

@@ -14,14 +14,24 @@ import warnings
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from huggingface_hub import get_token
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.nn.parallel import DistributedDataParallel
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from torchrun_ddp.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrun_ddp.config import TrainConfig
 
 GATED_ORGS = ("meta-llama/",)
 """Hub organisations whose models need an accepted licence and HF_TOKEN."""
@@ -205,6 +215,7 @@ def wrap_ddp(
     bucket_cap_mb: float = 25.0,
     gradient_as_bucket_view: bool = True,
     static_graph: bool = False,
+    sync_buffers: bool | None = None,
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DDP: ``device_ids=[index]`` on CUDA, none on CPU.
 
@@ -214,14 +225,33 @@ def wrap_ddp(
     view into its bucket, saving one gradient-sized copy. ``static_graph`` declares that every
     step uses the same parameters in the same order, so DDP can skip its per-step checks for
     unused parameters (https://pytorch.org/docs/stable/notes/ddp.html).
+
+    ``sync_buffers`` (DDP's ``forward_sync_buffers``; None: ``not constant_buffers(model)``):
+    DDP would otherwise broadcast rank 0's buffers before every forward, one collective per
+    micro-batch, although a causal LM's buffers (rotary ``inv_freq``, masks) never change after
+    construction; DDP still broadcasts them once, at construction.
     """
     device_ids = [device.index] if device.type == "cuda" else None
+    if sync_buffers is None:
+        sync_buffers = not constant_buffers(model)
     return DistributedDataParallel(
         model,
         device_ids=device_ids,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=gradient_as_bucket_view,
         static_graph=static_graph,
+        forward_sync_buffers=sync_buffers,
+    )
+
+
+def constant_buffers(model: torch.nn.Module) -> bool:
+    """Whether no module of ``model`` updates its buffers in a training forward pass.
+
+    Batch normalisation is the layer that does (running statistics); causal LMs have none, so
+    their buffers are constants that DDP's construction-time broadcast already made equal.
+    """
+    return not any(
+        isinstance(module, torch.nn.modules.batchnorm._NormBase) for module in model.modules()
     )
 
 
@@ -257,3 +287,33 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
 def parameter_count(model: torch.nn.Module) -> int:
     """Number of parameters (elements) in ``model``."""
     return sum(p.numel() for p in model.parameters())
+
+
+def lora_settings(config: TrainConfig) -> LoraSettings:
+    """The LoRA hyperparameters of the run's config."""
+    return LoraSettings(
+        rank=config.lora_rank,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        target_modules=tuple(config.lora_target_modules),
+    )
+
+
+def export_final_model(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, output: Path, lora: bool
+) -> Path:
+    """Write ``output/final_model`` (safetensors + tokenizer) and return it; call on one rank.
+
+    Under LoRA it first writes the adapter to ``output/adapter`` (peft's ``save_pretrained``),
+    then merges it into the base weights (``save_lora_outputs``): ``final_model`` is then a plain
+    model that ``AutoModelForCausalLM.from_pretrained`` loads.
+    """
+    target = output / "final_model"
+    if lora:
+        save_lora_outputs(model, output / "adapter", target)
+        log.info("saved the LoRA adapter to %s", output / "adapter")
+    else:
+        model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+    log.info("saved the final model to %s", target)
+    return target

@@ -435,6 +435,8 @@ def register_compression(
 
     Call on every rank, after constructing the DDP model and before the first backward.
     ``node_groups`` (``distributed.new_node_groups``) is needed for ``scope = "inter-node"``.
+    ``none`` over the whole world registers no hook: DDP's built-in C++ all-reduce averages the
+    buckets (no Python on the backward path), and the state counts its bytes analytically.
     Raises ``ValueError`` for bad settings (one line naming the field and the fix) and whatever
     ``register_comm_hook`` raises (e.g. a hook already registered). For bfloat16 on the wire
     (``bf16``, or ``dct`` with bfloat16 values) on gloo this runs one tiny all-reduce to see
@@ -442,6 +444,9 @@ def register_compression(
     """
     validate_settings(settings)
     state = CompressionState(settings, model.parameters(), process_group, node_groups)
+    if settings.method == "none" and settings.scope == "global" and process_group is None:
+        state.count_builtin_all_reduce(model.parameters())  # DDP's C++ all-reduce, no hook
+        return state
     bf16_values = settings.method == "dct" and settings.topk_value_dtype == "bfloat16"
     if settings.method == "bf16" or bf16_values:
         device = next(model.parameters()).device

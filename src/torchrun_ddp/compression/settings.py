@@ -1,8 +1,16 @@
 """Compression settings: the method names, their parameters and their validation."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from torchrun_ddp.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrun_ddp.config import TrainConfig
 
 METHODS = ("none", "dct", "dct-topk", "fp16", "bf16", "powersgd")
 TOPK_VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,3 +119,25 @@ def keeps_residual(settings: CompressionSettings) -> bool:
     return settings.method == "dct-topk" or (
         settings.method == "dct" and settings.selection == "rotating"
     )
+
+
+def compression_settings(config: TrainConfig) -> CompressionSettings:
+    """The comm hook's settings from the run's config; raises UserError if they do not fit
+    together (the message of :func:`validate_settings`)."""
+    settings = CompressionSettings(
+        method=config.compression,
+        ratio=config.compression_ratio,
+        block_size=config.compression_block_size,
+        topk=config.compression_topk,
+        error_feedback=config.compression_error_feedback,
+        start_step=config.compression_start_step,
+        powersgd_rank=config.powersgd_rank,
+        topk_value_dtype=config.compression_value_dtype,
+        selection=config.compression_selection,
+        scope=config.compression_scope,
+    )
+    try:
+        validate_settings(settings)
+    except ValueError as exc:  # validate_settings raises ValueError for bad settings only
+        raise UserError(str(exc)) from exc
+    return settings

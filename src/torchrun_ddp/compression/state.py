@@ -28,7 +28,7 @@ from torchrun_ddp.compression.settings import (
     validate_settings,
 )
 from torchrun_ddp.compression.transform import BlockLayout
-from torchrun_ddp.compression.wire import wire_bytes
+from torchrun_ddp.compression.wire import dense_wire_bytes, wire_bytes
 
 if TYPE_CHECKING:
     from torchrun_ddp.distributed import NodeGroups
@@ -200,6 +200,8 @@ class CompressionState:
         self.comm_bytes_collective = 0
         self.hook_calls = 0
         self.step = 0
+        self.builtin_step_bytes: StepBytes | None = None
+        """Set when DDP's built-in all-reduce runs instead of a hook (``none``)."""
         self.bf16_transport = "all_reduce"
         """``all_reduce`` (native bfloat16) or ``all_gather`` (raw bits, summed in fp32)."""
         self._param_index = {id(param): index for index, param in enumerate(parameters)}
@@ -231,8 +233,28 @@ class CompressionState:
         self.comm_bytes_collective += nbytes
         self.comm_bytes += wire_bytes(collective, nbytes, dist.get_world_size(group))
 
+    def count_builtin_all_reduce(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Count DDP's built-in all-reduce (no comm hook) analytically, once per optimizer step.
+
+        DDP all-reduces every bucket of the gradients of ``parameters`` that require grad, in
+        their dtype, once per step (``no_sync`` on the other micro-batches); the ring model is
+        linear in the size, so the buckets' wire bytes sum to those of one all-reduce of all of
+        them. :meth:`pop_step_bytes` then returns these counts for every step.
+        """
+        trained = [param for param in parameters if param.requires_grad]
+        nbytes = sum(param.numel() * param.element_size() for param in trained)
+        numel = sum(param.numel() for param in trained)
+        group = self.process_group
+        self.builtin_step_bytes = StepBytes(
+            round(wire_bytes("all_reduce", nbytes, dist.get_world_size(group))),
+            round(dense_wire_bytes(numel, self.world_size)),
+            nbytes,
+        )
+
     def pop_step_bytes(self) -> StepBytes:
         """Return this step's byte counts (rounded to whole bytes) and reset them to 0."""
+        if self.builtin_step_bytes is not None:
+            return self.builtin_step_bytes
         counts = StepBytes(
             round(self.comm_bytes), round(self.comm_bytes_dense), self.comm_bytes_collective
         )

@@ -1,0 +1,354 @@
+"""Setting a run up, for ``main``: inputs checked before any process group, the agreement on
+what to resume, the DDP model with its comm hook, and this rank's training and held-out data.
+
+Like main.py, this module composes the components (model, data, compression, checkpoint,
+metrics); they do not import each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from datasets import IterableDataset
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from torchrun_ddp.checkpoint import StartPlan, plan_start, verify_start
+from torchrun_ddp.compression import CompressionState, compression_settings, register_compression
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.distributed import DistEnv, new_node_groups
+from torchrun_ddp.dry_run import check_fits
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.lookahead import LookaheadBatches
+from torchrun_ddp.memory_plan import matmul_parameter_count, model_flops_per_token
+from torchrun_ddp.metrics import (
+    LogWindow,
+    MetricsLogger,
+    build_metrics,
+    check_records,
+    device_peak_flops,
+)
+from torchrun_ddp.model import (
+    apply_lora,
+    build_model,
+    compile_model,
+    enable_activation_checkpointing,
+    load_model_config,
+    lora_settings,
+    max_positions,
+    parameter_count,
+    trainable_parameter_sizes,
+    wrap_ddp,
+)
+from torchrun_ddp.optimizer import build_optimizer, build_scheduler
+from torchrun_ddp.training_data import (
+    PackedWindows,
+    build_loader,
+    eval_batches,
+    load_tokenizer,
+    open_documents,
+    resolve_files,
+    shard_for_rank,
+)
+
+log = logging.getLogger("torchrun_ddp")
+
+
+@dataclass
+class Inputs:
+    """What is checked and loaded before any process group starts."""
+
+    model_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    train_documents: IterableDataset
+    eval_documents: IterableDataset
+
+
+def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
+    """Check the model, memory plan, tokenizer, data paths and compression settings; raises
+    UserError on the first problem."""
+    compression_settings(config)
+    check_device(config.device)
+    if config.compression_scope == "inter-node":
+        check_node_layout(env)
+    model_config = load_model_config(config.model)
+    check_causal_lm(model_config, config.model)
+    limit = max_positions(model_config)
+    if limit and config.seq_length > limit:
+        raise UserError(
+            f"--seq-length {config.seq_length} exceeds the model's {limit} positions; "
+            f"use --seq-length {limit} or less"
+        )
+    check_fits(config, model_config, env)
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    train_files = resolve_files(config.data_files, "--data-files")
+    eval_files = resolve_files(config.eval_files, "--eval-files")
+    hub = (config.dataset, config.dataset_config)
+    return Inputs(
+        model_config=model_config,
+        tokenizer=tokenizer,
+        train_documents=open_documents(train_files, *hub, split="train"),
+        eval_documents=open_documents(eval_files, *hub, split="validation"),
+    )
+
+
+def check_node_layout(env: DistEnv) -> None:
+    """Raise UserError unless the ranks form equal nodes numbered node by node, as the
+    node-aware scope's groups (``distributed.new_node_groups``) need; checked before the process
+    group starts, so no rank waits for one that refused."""
+    per_node = env.local_world_size
+    if per_node < 1 or env.world_size % per_node:
+        raise UserError(
+            f"--compression-scope inter-node needs the same ranks on every node, but WORLD_SIZE "
+            f"{env.world_size} is not a multiple of LOCAL_WORLD_SIZE {per_node}; "
+            "use --compression-scope global"
+        )
+    if env.rank != env.rank // per_node * per_node + env.local_rank:
+        raise UserError(
+            f"--compression-scope inter-node needs ranks numbered node by node, but rank "
+            f"{env.rank} has LOCAL_RANK {env.local_rank}; use --compression-scope global"
+        )
+
+
+def check_device(device: str) -> None:
+    """Raise UserError for ``--device cuda`` on a machine where torch sees no GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but torch sees no GPU; use --device cpu")
+
+
+def check_causal_lm(model_config: PretrainedConfig, name: str) -> None:
+    """Raise UserError unless ``AutoModelForCausalLM`` has a class for the config's model type
+    (a BERT or T5 config cannot be trained as a causal LM)."""
+    model_type = getattr(model_config, "model_type", "")
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    raise UserError(
+        f"--model {name} is a {model_type or 'unknown'} model, not a causal language model "
+        "(AutoModelForCausalLM has no class for it); pass a causal LM such as LLaMA"
+    )
+
+
+def checkpoint_root(config: TrainConfig) -> Path:
+    """Where step-N checkpoints live: --checkpoint-dir, or <output-dir>/checkpoints."""
+    return Path(config.checkpoint_dir or Path(config.output_dir) / "checkpoints")
+
+
+def decide_start(config: TrainConfig) -> StartPlan:
+    """Rank 0: what to resume (``checkpoint.plan_start``). Raises UserError when the
+    checkpoint folder or metrics.jsonl hold another run (see --overwrite-output-dir) or the
+    checkpoint cannot be read."""
+    root = checkpoint_root(config)
+    overwrite = config.overwrite_output_dir and not config.resume and not config.resume_from
+    plan = plan_start(root, config.resume, config.resume_from, overwrite)
+    check_records(Path(config.output_dir) / "metrics.jsonl", plan.run_id, overwrite)
+    return plan
+
+
+def agree_on_start(config: TrainConfig, env: DistEnv, device: torch.device) -> StartPlan:
+    """Collective: rank 0 decides (``decide_start``) and broadcasts the plan or its error as
+    JSON; every rank then checks it sees the same complete checkpoint (``verify_start``).
+
+    Raises the same UserError on every rank, so no rank is left waiting in a collective.
+    """
+    decision: dict[str, object] = {}
+    if env.is_main:
+        try:
+            decision = {"plan": dataclasses.asdict(decide_start(config))}
+        except UserError as exc:  # only bad input: every rank must stop with the same message
+            decision = {"error": str(exc)}
+    decision = broadcast_json(decision, device)
+    if "error" in decision:
+        raise UserError(str(decision["error"]))
+    plan = StartPlan(**decision["plan"])
+    verify_start(plan, device)
+    return plan
+
+
+def broadcast_json(value: dict[str, object], device: torch.device) -> dict[str, object]:
+    """Rank 0's ``value`` on every rank, sent as UTF-8 JSON bytes (two broadcasts: the length,
+    then a uint8 tensor); JSON, not pickle, so nothing received is unpickled."""
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return json.loads(bytes(buffer.cpu().tolist()).decode())
+
+
+def build_ddp_model(
+    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv
+) -> tuple[torch.nn.Module, DistributedDataParallel, CompressionState]:
+    """The model (a PeftModel under --peft lora), its DDP wrapper with the compression comm hook,
+    and the hook's state. Under LoRA, DDP sees only the adapters as parameters that need
+    gradients, so only they are bucketed and all-reduced."""
+    model: torch.nn.Module = build_model(
+        config.model,
+        inputs.model_config,
+        config.init,
+        config.precision,
+        config.seed,
+        device,
+        config.peft,
+    )
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if config.peft == "lora":
+        model = apply_lora(model, lora_settings(config))
+    ddp_model = wrap_ddp(
+        model,
+        device,
+        config.ddp_bucket_cap_mb,
+        config.gradient_as_bucket_view,
+        config.ddp_static_graph,
+    )
+    node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
+    compression = register_compression(
+        ddp_model, compression_settings(config), node_groups=node_groups
+    )
+    if config.compile:
+        compile_model(ddp_model)
+    return model, ddp_model, compression
+
+
+def flops_per_token(
+    model: torch.nn.Module, model_config: PretrainedConfig, config: TrainConfig
+) -> float:
+    """Training FLOPs per token at ``config.seq_length`` (``memory_plan.model_flops_per_token``,
+    PaLM appendix B), over the matmul parameters a token passes through (a mixture of experts
+    runs some experts); under --peft lora the base is frozen (4 FLOPs per parameter) and only
+    the adapters train (6). 0 for sizes a config does not name."""
+    layers = int(getattr(model_config, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(model_config, "hidden_size", 0) or 0)
+    matmul = matmul_parameter_count(model, model_config)
+    if config.peft == "none":
+        return model_flops_per_token(matmul, layers, hidden, config.seq_length)
+    trained = sum(param.numel() for param in model.parameters() if param.requires_grad)
+    return model_flops_per_token(
+        trained, layers, hidden, config.seq_length, frozen=matmul - trained
+    )
+
+
+def tokens_per_step(config: TrainConfig, env: DistEnv) -> int:
+    """Tokens trained per optimizer step over all ranks."""
+    return config.batch_size * config.accumulation_steps * config.seq_length * env.world_size
+
+
+def build_train_data(
+    config: TrainConfig, env: DistEnv, inputs: Inputs, device: torch.device
+) -> LookaheadBatches:
+    """This rank's shuffled, packed training windows as micro-batches grouped by optimizer step
+    and read ahead (``lookahead``); its position is resumable."""
+    shard = shard_for_rank(inputs.train_documents, env.rank, env.world_size)
+    windows = PackedWindows(
+        shard,
+        inputs.tokenizer,
+        config.seq_length,
+        epochs=config.epochs,
+        shuffle_buffer=config.shuffle_buffer,
+        seed=config.seed + env.rank,
+    )
+    return LookaheadBatches(
+        build_loader(windows, config.batch_size),
+        windows.state_dict,
+        windows.load_state_dict,
+        config.accumulation_steps,
+        device,
+    )
+
+
+def build_eval_set(
+    config: TrainConfig, env: DistEnv, inputs: Inputs, device: torch.device
+) -> list[torch.Tensor]:
+    """This rank's fixed held-out micro-batches (same documents every evaluation).
+
+    Collective: every rank keeps as many batches as the rank with the fewest (one all-reduce,
+    MIN), so the held-out loss is a mean over equal shares, and so a model whose buffers DDP
+    broadcasts in every forward (``model.constant_buffers`` false) cannot hang in ``evaluate``.
+    """
+    shard = shard_for_rank(inputs.eval_documents, env.rank, env.world_size)
+    windows = PackedWindows(shard, inputs.tokenizer, config.seq_length)
+    batches = eval_batches(windows, config.batch_size, config.eval_batches)
+    count = torch.tensor([len(batches)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    if int(count.item()) < len(batches):
+        log.warning("evaluating on %d batches per rank: a rank has no more", int(count.item()))
+    return batches[: int(count.item())]
+
+
+@dataclass
+class Trainer:
+    """The built pieces the loop composes."""
+
+    config: TrainConfig
+    env: DistEnv
+    device: torch.device
+    model: DistributedDataParallel
+    optimizer: Optimizer
+    scheduler: LRScheduler
+    compression: CompressionState
+    data: LookaheadBatches
+    eval_set: list[torch.Tensor]
+    metrics: MetricsLogger
+    window: LogWindow
+    tokenizer: PreTrainedTokenizerBase
+    run_id: str = ""
+    """The run's identity, stamped in checkpoints and metrics.jsonl."""
+    step: int = 0
+    """Optimizer steps done (restored on resume)."""
+
+
+def build_trainer(
+    config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs, run_id: str = ""
+) -> Trainer:
+    """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
+    model, ddp_model, compression = build_ddp_model(config, device, inputs, env)
+    optimizer = build_optimizer(
+        model,
+        config.learning_rate,
+        config.weight_decay,
+        implementation=config.adamw_implementation,
+        zero1=config.zero1,
+    )
+    scheduler = build_scheduler(
+        optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
+    )
+    torch.manual_seed(config.seed + env.rank)
+    compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
+    peak, peak_source = device_peak_flops(device, compute_dtype)
+    flops, tokens = (
+        flops_per_token(model, inputs.model_config, config),
+        tokens_per_step(config, env),
+    )
+    log.info(
+        "world_size %d, device %s, backend %s, %.1fM parameters (%.2fM trained), "
+        "%d tokens per step, %.3g FLOPs per token, peak %.3g FLOP/s per rank (%s)",
+        env.world_size, device, dist.get_backend(), parameter_count(model) / 1e6,
+        sum(trainable_parameter_sizes(model)) / 1e6, tokens, flops, peak, peak_source,
+    )  # fmt: skip
+    return Trainer(
+        config=config,
+        env=env,
+        device=device,
+        model=ddp_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        compression=compression,
+        data=build_train_data(config, env, inputs, device),
+        eval_set=build_eval_set(config, env, inputs, device),
+        metrics=build_metrics(Path(config.output_dir), env.is_main, config.tensorboard, run_id),
+        window=LogWindow(device, tokens, flops, peak * env.world_size if peak else math.inf),
+        tokenizer=inputs.tokenizer,
+        run_id=run_id,
+    )

@@ -1,0 +1,181 @@
+"""Before a run: the per-rank memory and FLOP plan, the communication plan (--dry-run), and the
+fit check that refuses a run that would not fit the device.
+
+Composes ``memory_plan`` (meta-device model, memory rows), ``compression.plan`` (wire bytes and
+link time per method) and ``model``'s LoRA on the meta device; nothing is allocated or
+downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from transformers import PretrainedConfig
+
+from torchrun_ddp.compression import compression_settings
+from torchrun_ddp.compression.plan import (
+    Topology,
+    communication_table,
+    reference_methods,
+    state_bytes,
+)
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.memory_plan import (
+    MemoryPlan,
+    PlanSettings,
+    llama2_7b_config,
+    matmul_parameter_count,
+    meta_model,
+    missing_sizes,
+    parameter_sizes,
+    plan_memory,
+    suggestions,
+)
+from torchrun_ddp.model import (
+    apply_lora,
+    load_model_config,
+    lora_settings,
+    trainable_parameter_sizes,
+)
+
+log = logging.getLogger("torchrun_ddp")
+
+
+def plan_settings(
+    config: TrainConfig, world_size: int, memory_gib: float, adapter_sizes: tuple[int, ...] = ()
+) -> PlanSettings:
+    """The memory plan's view of this run's settings, on devices of ``memory_gib`` GiB
+    (``adapter_sizes``: the LoRA adapters' element counts under --peft lora)."""
+    return PlanSettings(
+        world_size=world_size,
+        micro_batch=config.batch_size,
+        seq_length=config.seq_length,
+        precision=config.precision,
+        zero1=config.zero1,
+        activation_checkpointing=config.activation_checkpointing,
+        device_memory_gib=memory_gib,
+        ddp_bucket_cap_mb=config.ddp_bucket_cap_mb,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+        accumulation_steps=config.accumulation_steps,
+        fused_adamw=config.adamw_implementation == "fused",
+        adapter_sizes=adapter_sizes,
+    )
+
+
+def plan_run(
+    config: TrainConfig, model_config: PretrainedConfig, world_size: int, memory_gib: float
+) -> tuple[MemoryPlan, list[str]]:
+    """This run's per-rank memory plan (parameters counted on the meta device) and, when it does
+    not fit, the setting changes that would make it fit."""
+    model = meta_model(model_config)
+    sizes = parameter_sizes(model)
+    active = matmul_parameter_count(model, model_config)
+    adapters: tuple[int, ...] = ()
+    if config.peft == "lora":
+        adapters = tuple(trainable_parameter_sizes(apply_lora(model, lora_settings(config))))
+    state, buffers = state_bytes(  # DDP buckets only what is trained: the adapters under LoRA
+        compression_settings(config),
+        list(adapters) or sizes,
+        world_size,
+        config.ddp_bucket_cap_mb * 2**20,
+    )
+    settings = dataclasses.replace(
+        plan_settings(config, world_size, memory_gib, adapters),
+        compression_state_bytes=state,
+        compression_buffer_bytes=buffers,
+    )
+    plan = plan_memory(model_config, sum(sizes), settings, sizes, active_parameters=active)
+    if plan.fits:
+        return plan, []
+    return plan, suggestions(model_config, sum(sizes), settings, parameter_sizes=sizes)
+
+
+def dry_run(config: TrainConfig, env: DistEnv) -> str:
+    """The memory and FLOP plan of this run, as text; nothing is allocated or downloaded.
+
+    LLaMA-2-7B's architecture comes from the facts the package carries (no hub access or token
+    needed); other models' configs are loaded as usual. Device memory is --device-memory-gib,
+    else the visible GPU's, else 80 GiB.
+    """
+    if config.model == "meta-llama/Llama-2-7b-hf":
+        model_config: PretrainedConfig = llama2_7b_config()
+    else:
+        model_config = load_model_config(config.model)
+    memory = config.device_memory_gib or visible_device_gib() or 80.0
+    plan, hints = plan_run(config, model_config, config.plan_world_size or env.world_size, memory)
+    adapters = sum(plan.settings.adapter_sizes)
+    trained = f" (+ {adapters:,} LoRA adapter parameters, trained)" if adapters else ""
+    lines = [
+        f"model {config.model}: {plan.parameters:,} parameters{trained}, "
+        f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
+        f"plan per rank: {plan.settings.describe()}",
+        plan.table(),
+    ]
+    if hints:
+        lines.append("would fit with:")
+        lines.extend(f"  {hint}" for hint in hints)
+    # DDP buckets what trains: under LoRA only the adapters cross the wire.
+    sizes = list(plan.settings.adapter_sizes) or parameter_sizes(meta_model(model_config))
+    lines.append(communication_plan(config, env, sizes, plan.flops_per_token))
+    return "\n".join(lines)
+
+
+def communication_plan(
+    config: TrainConfig, env: DistEnv, sizes: list[int], flops_per_token: float
+) -> str:
+    """Wire bytes and predicted times per step of this run's method and the reference methods
+    (``compression.plan``) for gradients of ``sizes`` elements (the trained parameters), for
+    --plan-world-size ranks (else WORLD_SIZE), --plan-gpus-per-node and the --plan-*-gbit links;
+    compute at --plan-tflops per rank."""
+    world = config.plan_world_size or env.world_size
+    per_node = min(config.plan_gpus_per_node, world)
+    topo = Topology(
+        world, per_node, config.plan_intra_node_gbit * 1e9, config.plan_inter_node_gbit * 1e9
+    )
+    tokens = config.batch_size * config.seq_length * config.accumulation_steps
+    compute_s = tokens * flops_per_token / (config.plan_tflops * 1e12)
+    run_method = compression_settings(config)
+    methods = [run_method, *reference_methods(config.compression_block_size)]
+    header = (
+        f"communication plan: {world} ranks = {topo.nodes} node(s) x {per_node}, links "
+        f"{config.plan_intra_node_gbit:g} Gbit/s in a node, {config.plan_inter_node_gbit:g} "
+        f"Gbit/s between nodes; compute {compute_s:.4g} s per step ({tokens} tokens per rank at "
+        f"{config.plan_tflops:g} TFLOP/s); first row: this run's --compression"
+    )
+    return "\n".join([header, communication_table(methods, sizes, topo, compute_s)])
+
+
+def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv) -> None:
+    """Refuse a run whose memory plan does not fit the device, naming settings that would.
+
+    Checked when the device memory is known: --device-memory-gib, or the visible GPU when the
+    run uses CUDA. Raises UserError before any weights are loaded or any process group starts.
+    """
+    uses_cuda = config.device != "cpu" and torch.cuda.is_available()
+    memory = config.device_memory_gib or (visible_device_gib() if uses_cuda else 0.0)
+    if not memory:
+        return
+    if missing_sizes(model_config):
+        log.warning(
+            "no memory plan: the model config lacks %s", ", ".join(missing_sizes(model_config))
+        )
+        return
+    plan, hints = plan_run(config, model_config, env.world_size, memory)
+    if plan.fits:
+        return
+    fix = hints[0] if hints[0].startswith("no combination") else f"it would fit with {hints[0]}"
+    raise UserError(
+        f"the memory plan needs {plan.total / 2**30:.1f} GiB per rank but the device has "
+        f"{memory:g} GiB ({plan.settings.describe()}); {fix} (see --dry-run)"
+    )
+
+
+def visible_device_gib() -> float:
+    """Memory of the visible GPU in GiB, or 0 without one."""
+    if not torch.cuda.is_available():
+        return 0.0
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
