@@ -97,6 +97,8 @@ def _setting(name: str) -> Setting:
     )  # fmt: skip
 
 
+TINY_MODEL = REPO / "configs" / "llama-tiny" / "config.json"
+
 DEFAULT_SETTINGS = (
     "2x1-fp32-minimal,2x1-fp32,1x2-fp32,1x1-fp32,2x1-bf16,2x1-fp32-compile,1x1-fp32-compile,"
     "2x1-fp32-compile-dct"
@@ -121,6 +123,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--batch-size", type=int, default=4, help="windows per step over all ranks (per rank: /P)")
     add("--repeats", type=int, default=1, help="rounds; every setting runs once per round")
     add("--data-dir", type=Path, default=SHARED_DATA, help="the offline C4 sample and tokenizer")
+    add("--model", type=Path, default=TINY_MODEL, help="config.json of the model (random init)")
+    add("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per process")
     add("--keep", type=Path, default=None, help="keep the run folders here")
     return parser.parse_args(argv)
 
@@ -140,8 +144,8 @@ def run_setting(args: argparse.Namespace, setting: Setting, run_dir: Path) -> li
     script = REPO / ("benchmarks/minimal_ddp.py" if setting.minimal else "train.py")
     command += [f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(script)]
     command += ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir)]
-    command += ["--model", str(REPO / "configs" / "llama-tiny" / "config.json")]
-    command += ["--learning-rate", "1e-3"]
+    command += ["--model", str(args.model), "--learning-rate", "1e-3"]
+    command += ["--device", "cuda", "--backend", "nccl"] if args.device == "cuda" else []
     command += ["--output-dir", str(run_dir), "--no-resume", "--checkpoint-every", "0"]
     command += ["--overwrite-output-dir"]  # reruns replace the old run
     command += ["--max-steps", str(args.steps), "--log-every", "1", "--eval-every", "0"]
@@ -164,6 +168,8 @@ class Row:
     step_time_s: float
     data_time_s: float
     loss: float
+    mfu: float
+    """The trainer's logged MFU (median), used on CUDA."""
 
 
 def summarise(args: argparse.Namespace, setting: Setting, runs: list[list[dict]]) -> Row:
@@ -175,6 +181,7 @@ def summarise(args: argparse.Namespace, setting: Setting, runs: list[list[dict]]
         statistics.median(r["step_time_s"] for r in kept),
         statistics.median(r["data_time_s"] for r in kept),
         statistics.mean(records[-1]["loss"] for records in runs),
+        statistics.median(r.get("mfu", 0.0) for r in kept),
     )
 
 
@@ -183,18 +190,19 @@ def _relative(loss: float, reference: float | None) -> str:
     return "-" if reference is None else f"{(loss - reference) / reference:+.2%}"
 
 
-def tiny_flops_per_token(seq_length: int) -> float:
-    """Training FLOPs per token of configs/llama-tiny at ``seq_length`` (meta device)."""
-    config = AutoConfig.from_pretrained(REPO / "configs" / "llama-tiny" / "config.json")
+def flops_per_token(model: Path, seq_length: int) -> float:
+    """Training FLOPs per token of the model config at ``seq_length`` (meta device; matmul
+    parameters, PaLM appendix B, as the trainer counts them)."""
+    config = AutoConfig.from_pretrained(model)
     parameters = matmul_parameter_count(meta_model(config), config)
     return model_flops_per_token(
         parameters, config.num_hidden_layers, config.hidden_size, seq_length
     )
 
 
-def render(rows: list[Row], peaks: dict[str, float], seq_length: int) -> str:
-    """The Markdown table."""
-    flops = tiny_flops_per_token(seq_length)
+def render(rows: list[Row], peaks: dict[str, float], args: argparse.Namespace) -> str:
+    """The Markdown table; on CUDA the MFU is the trainer's (the GPU's data-sheet peak)."""
+    flops = flops_per_token(args.model, args.seq_length)
     single = {
         (r.setting.precision, r.setting.compile, r.setting.compression): r
         for r in rows
@@ -215,8 +223,9 @@ def render(rows: list[Row], peaks: dict[str, float], seq_length: int) -> str:
         versus = f"{row.tokens_per_s / loop.tokens_per_s:.2f}" if loop else "-"
         table.append([
             s.label, f"{row.tokens_per_s:,.0f}", versus, f"{row.step_time_s:.3f}",
-            f"{row.data_time_s:.4f}", f"{flops * row.tokens_per_s / peak:.1%}", scaling,
-            f"{row.loss:.4f}", _relative(row.loss, fp32.get(s.processes)),
+            f"{row.data_time_s:.4f}",
+            f"{row.mfu if args.device == 'cuda' else flops * row.tokens_per_s / peak:.1%}", scaling,
+            f"{row.loss:.4f}", "-" if s.minimal else _relative(row.loss, fp32.get(s.processes)),
         ])  # fmt: skip
     return markdown_table(header, table)
 
@@ -241,7 +250,7 @@ def main(argv: list[str]) -> int:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
     rows = [summarise(args, s, runs[s.name]) for s in settings]
-    print(render(rows, peaks, args.seq_length))
+    print(render(rows, peaks, args))
     print(
         f"\n{args.steps} steps of {args.batch_size} x {args.seq_length} tokens, medians after "
         f"step {args.warmup}, {args.repeats} round(s); MFU against the 1-thread peaks above "

@@ -107,22 +107,29 @@ def test_plot_writes_a_png(tiny_run: Path, tmp_path: Path) -> None:
 
 def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_path: Path) -> None:
     """Rank 0 gets 4 documents and rank 1 gets 3 (every other line): with --max-steps -1 both
-    stop on the step where the first of them runs out, instead of waiting forever."""
+    stop together, instead of waiting forever. Logging every step, they stop on the step where
+    the first of them runs out; logging every 3 steps (ranks agree on log steps only, having
+    read ahead to the next one), on the last log step before it."""
     texts = [" ".join(["word"] * (40 + 10 * i)) for i in range(7)]
     data = tmp_path / "uneven.json.gz"
     with gzip.open(data, "wt", encoding="utf-8") as handle:
         handle.writelines(json.dumps({"text": t}) + "\n" for t in texts)
-    args = tiny_args(
-        sample_data, tmp_path / "out",
-        "--data-files", str(data), "--eval-files", str(data), "--max-steps", "-1",
-        "--seq-length", "16", "--batch-size", "1", "--shuffle-buffer", "0", "--log-every", "1",
-        "--eval-batches", "1",
-    )  # fmt: skip
-    result = torchrun(args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    steps = [r["step"] for r in _records(tmp_path / "out") if "loss" in r]
-    assert "end of training data after" in result.stderr + result.stdout
-    assert steps and steps == list(range(1, len(steps) + 1))
+    last_steps = {}
+    for log_every in (1, 3):
+        output = tmp_path / f"log-every-{log_every}"
+        args = tiny_args(
+            sample_data, output,
+            "--data-files", str(data), "--eval-files", str(data), "--max-steps", "-1",
+            "--seq-length", "16", "--batch-size", "1", "--shuffle-buffer", "0",
+            "--log-every", str(log_every), "--eval-batches", "1",
+        )  # fmt: skip
+        result = torchrun(args)
+        assert result.returncode == 0, result.stderr[-3000:]
+        steps = [r["step"] for r in _records(output) if "loss" in r]
+        assert "end of training data after" in result.stderr + result.stdout
+        assert steps == list(range(log_every, steps[-1] + 1, log_every))
+        last_steps[log_every] = steps[-1]
+    assert last_steps[3] == last_steps[1] // 3 * 3 > 0
 
 
 def test_without_torchrun_trains_as_one_process(sample_data: Path, tmp_path: Path) -> None:
