@@ -609,6 +609,17 @@ def restore_rng_state(state: Mapping[str, object]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def seed_rng(seed: str) -> None:
+    """Seed the global RNGs (python, numpy if installed, torch CPU and CUDA) from a string, for
+    a rank that has no saved RNG state of its own (a resume at another world size)."""
+    value = random.Random(seed).getrandbits(63)
+    random.seed(value)
+    torch.manual_seed(value)
+    numpy = _numpy()
+    if numpy is not None:
+        numpy.random.seed(value % 2**32)
+
+
 # ----------------------------------------------------------------------------- tree <-> JSON
 
 
@@ -865,6 +876,7 @@ __all__ = [
     "record_run_id",
     "restore_rng_state",
     "save_checkpoint",
+    "seed_rng",
     "verify_start",
     "write_run_id",
 ]

@@ -41,12 +41,14 @@ from torchrun_ddp.checkpoint import (
     capture_rng_state,
     check_compatible,
     load_checkpoint,
+    load_rank_states,
     model_fingerprint,
     plan_start,
     read_meta,
     record_run_id,
     restore_rng_state,
     save_checkpoint,
+    seed_rng,
     verify_start,
 )
 from torchrun_ddp.compression import (
@@ -61,7 +63,7 @@ from torchrun_ddp.compression.plan import (
     reference_methods,
     state_bytes,
 )
-from torchrun_ddp.config import TrainConfig, save_config
+from torchrun_ddp.config import TrainConfig, global_batch_accumulation, save_config
 from torchrun_ddp.distributed import (
     DistEnv,
     init_distributed,
@@ -110,7 +112,8 @@ from torchrun_ddp.model import (
 from torchrun_ddp.optimizer import build_optimizer, build_scheduler
 from torchrun_ddp.training_data import (
     PackedWindows,
-    build_loader,
+    TrainLoader,
+    build_train_loader,
     eval_batches,
     load_tokenizer,
     open_documents,
@@ -142,7 +145,7 @@ class Trainer:
     optimizer: Optimizer
     scheduler: LRScheduler
     compression: CompressionState
-    windows: PackedWindows
+    train_loader: TrainLoader
     eval_set: list[torch.Tensor]
     metrics: MetricsLogger
     tokenizer: PreTrainedTokenizerBase
@@ -540,7 +543,7 @@ def build_trainer(
         optimizer=optimizer,
         scheduler=scheduler,
         compression=compression,
-        windows=build_train_windows(config, env, inputs),
+        train_loader=build_train_windows(config, env, inputs),
         eval_set=build_eval_set(config, env, inputs, device),
         metrics=build_metrics(Path(config.output_dir), env.is_main, config.tensorboard, run_id),
         tokenizer=inputs.tokenizer,
@@ -565,16 +568,19 @@ def tokens_per_step(config: TrainConfig, env: DistEnv) -> int:
     return config.batch_size * config.accumulation_steps * config.seq_length * env.world_size
 
 
-def build_train_windows(config: TrainConfig, env: DistEnv, inputs: Inputs) -> PackedWindows:
-    """This rank's shuffled, packed training windows (a resumable stream)."""
-    shard = shard_for_rank(inputs.train_documents, env.rank, env.world_size)
-    return PackedWindows(
-        shard,
+def build_train_windows(config: TrainConfig, env: DistEnv, inputs: Inputs) -> TrainLoader:
+    """This rank's micro-batches of the global document order (a resumable loader, re-split
+    at another world size; see training_data.build_train_loader)."""
+    return build_train_loader(
+        inputs.train_documents,
         inputs.tokenizer,
         config.seq_length,
+        config.batch_size,
+        env.rank,
+        env.world_size,
         epochs=config.epochs,
         shuffle_buffer=config.shuffle_buffer,
-        seed=config.seed + env.rank,
+        seed=config.seed,
     )
 
 
@@ -656,8 +662,7 @@ def train(trainer: Trainer) -> bool:
     False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
     config = trainer.config
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
-    with torch.random.fork_rng(devices=[]):  # the iterator draws a seed from the CPU RNG, which
-        loader = iter(build_loader(trainer.windows, config.batch_size))  # resume just restored
+    loader = iter(trainer.train_loader)  # seeded by its own generator: the RNGs stay untouched
     window, progress = Window(trainer), progress_bar(trainer, max_steps)
     if trainer.step == 0 and config.eval_every:
         trainer.metrics.log({"step": 0, **evaluate(trainer)})  # the untrained baseline
@@ -849,10 +854,17 @@ def shared_state(trainer: Trainer) -> dict[str, Stateful]:
 
 def rank_state(trainer: Trainer) -> dict[str, Stateful]:
     """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard."""
-    state: dict[str, Stateful] = {"data": trainer.windows, "compression": trainer.compression}
+    state: dict[str, Stateful] = {"data": trainer.train_loader, "compression": trainer.compression}
     if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
-        state["optimizer"] = ShardedOptimizer(trainer.optimizer)
+        state["optimizer"] = ShardedOptimizer(trainer.optimizer, trainer.model)
     return state
+
+
+def sharded_state(trainer: Trainer) -> dict[str, ShardedOptimizer]:
+    """ZeRO-1 optimizer state by parameter, saved through DCP to load at any world size."""
+    if not isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
+        return {}
+    return {"optimizer": ShardedOptimizer(trainer.optimizer, trainer.model)}
 
 
 def run_identity(trainer: Trainer) -> dict[str, object]:
@@ -887,6 +899,7 @@ def save(trainer: Trainer) -> Path:
         per_rank,
         meta,
         keep=trainer.config.keep_checkpoints,
+        sharded=sharded_state(trainer),
     )
     log.info("saved checkpoint %s", path)
     return path
@@ -896,19 +909,61 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     """Restore the checkpoint that ``plan`` names (every rank agreed on it), if any.
 
     Raises UserError, before any training state changes, if the checkpoint does not fit this
-    run (model, data stream, world size...).
+    run (model, data stream...). A checkpoint of another world size is resumed too (see
+    ``resume_resharded``).
     """
     if plan.path is None:
         return
     path = Path(plan.path)
     saved = read_meta(path)
-    check_compatible(saved, {**run_identity(trainer), "world_size": trainer.env.world_size})
-    per_rank = load_checkpoint(path, shared_state(trainer))
-    for name, obj in rank_state(trainer).items():
-        obj.load_state_dict(per_rank[name])
-    restore_rng_state(per_rank["rng"])
+    check_compatible(saved, run_identity(trainer))
+    adapt_to_world_size(trainer, saved)
+    shared, sharded = shared_state(trainer), sharded_state(trainer)
+    per_rank = load_checkpoint(path, shared, sharded, reshard=True)
     trainer.step = int(saved["step"])
+    if per_rank is None:
+        resume_resharded(trainer, path)
+    else:
+        for name, obj in rank_state(trainer).items():
+            obj.load_state_dict(per_rank[name])
+        restore_rng_state(per_rank["rng"])
     log.info("resumed from %s at step %d", path, trainer.step)
+
+
+def adapt_to_world_size(trainer: Trainer, saved: dict[str, object]) -> None:
+    """--keep-global-batch: set accumulation so the checkpoint's global batch stays (UserError
+    where the sizes do not divide). Logs the tokens per step when the world size changed."""
+    config, world = trainer.config, trainer.env.world_size
+    old_world = int(saved["world_size"])
+    old_config = saved.get("config") or {}
+    old_accumulation = int(old_config.get("accumulation_steps", config.accumulation_steps))
+    if config.keep_global_batch:
+        accumulation = global_batch_accumulation(old_accumulation, old_world, world)
+        trainer.config = dataclasses.replace(config, accumulation_steps=accumulation)
+    if old_world == world:
+        return
+    old_tokens = old_world * config.batch_size * old_accumulation * config.seq_length
+    log.warning(
+        "world size %d -> %d: tokens per step %d -> %d (world_size x micro-batch %d x "
+        "accumulation %d x seq_length %d); the schedule continues by optimizer step",
+        old_world, world, old_tokens, tokens_per_step(trainer.config, trainer.env),
+        config.batch_size, trainer.config.accumulation_steps, config.seq_length,
+    )  # fmt: skip
+
+
+def resume_resharded(trainer: Trainer, path: Path) -> None:
+    """Per-rank state from a checkpoint of another world size: the data positions of all old
+    ranks are re-split among the new ones (every document still trained once), ZeRO-1 and the
+    schedule were loaded by ``load_checkpoint``, the error-feedback residuals are dropped (with
+    a warning), and the RNGs are seeded from (seed, step, rank)."""
+    trainer.train_loader.load_resharded(load_rank_states(path, "data"))
+    dropped = trainer.compression.load_resharded(load_rank_states(path, "compression", [0])[0])
+    if dropped:
+        log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
+    for name, obj in rank_state(trainer).items():
+        if name == "optimizer":  # the hyperparameters, the same on every old rank
+            obj.load_state_dict(load_rank_states(path, name, [0])[0])
+    seed_rng(f"{trainer.config.seed}:{trainer.step}:{trainer.env.rank}")
 
 
 def save_final_model(trainer: Trainer) -> None:
