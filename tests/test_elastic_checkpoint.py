@@ -1,7 +1,8 @@
 """ZeRO-1 optimizer state saved at one world size loads at another through DCP (real gloo
 groups): saved by 2 ranks, loaded by 3, whose partition of the parameters differs; every
 AdamW moment arrives bit-identical on the rank that owns it now, and the next step at 3 ranks
-equals the next step at 2 ranks on the same global batch."""
+equals the next step at 2 ranks on the same global batch. The same spawns check that a rotating
+``dct`` comm hook's state keeps its step and drops its error-feedback residuals."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torchrun_ddp.checkpoint import (
     load_rank_states,
     save_checkpoint,
 )
+from torchrun_ddp.compression import CompressionSettings, CompressionState, register_compression
 
 WIDTH = 16
 GLOBAL_BATCH = 6  # samples per step over all ranks: divides by 2 and by 3
@@ -51,6 +53,14 @@ def _step(model: DistributedDataParallel, zero: ZeroRedundancyOptimizer, step: i
     zero.zero_grad(set_to_none=True)
 
 
+def _compressed() -> tuple[DistributedDataParallel, CompressionState]:
+    """A second small DDP model whose gradients go through rotating dct with error feedback."""
+    torch.manual_seed(1)
+    model = DistributedDataParallel(torch.nn.Linear(WIDTH, WIDTH))
+    settings = CompressionSettings(method="dct", ratio=0.25, block_size=8, selection="rotating")
+    return model, register_compression(model, settings)
+
+
 def _owned(sharded: ShardedOptimizer) -> dict[str, dict[str, torch.Tensor]]:
     """A copy of this rank's optimizer state (the live tensors change at the next step)."""
     return {
@@ -64,7 +74,14 @@ def _save_worker(rank: int, world_size: int, root: str) -> dict[str, object]:
     for step in range(STEPS):
         _step(model, zero, step)
     sharded = ShardedOptimizer(zero, model)
-    per_rank = {"optimizer": sharded.state_dict(), "data": {"rank": rank}}
+    compressed, compression = _compressed()
+    for _ in range(STEPS):
+        compressed(torch.randn(3, WIDTH)).sum().backward()
+    per_rank = {
+        "optimizer": sharded.state_dict(),
+        "data": {"rank": rank},
+        "compression": compression.state_dict(),
+    }
     shared = {"train": ModelAndOptimizer(model, None)}
     save_checkpoint(Path(root), STEPS, shared, per_rank, {}, 1, sharded={"optimizer": sharded})
     owned = _owned(sharded)
@@ -87,7 +104,13 @@ def _load_worker(rank: int, world_size: int, root: str) -> dict[str, object]:
     _step(model, zero, STEPS)
     after = {name: p.detach().clone() for name, p in model.module.named_parameters()}
     data = load_rank_states(path, "data")
-    return {"per_rank": per_rank, "owned": owned, "after": after, "data": data}
+    _, compression = _compressed()
+    dropped = compression.load_resharded(load_rank_states(path, "compression", [0])[0])
+    residuals = [k for k in compression.state_dict() if k.startswith("residual.")]
+    return {
+        "per_rank": per_rank, "owned": owned, "after": after, "data": data,
+        "compression": (compression.step, dropped, residuals),
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -116,5 +139,6 @@ def test_the_next_step_at_three_ranks_matches_two(runs: tuple[list[object], list
     for result in loaded:
         assert result["per_rank"] is None  # another world size: per-rank state is not this rank's
         assert result["data"] == [{"rank": 0}, {"rank": 1}]
+        assert result["compression"] == (STEPS, 2, [])  # weight and bias residuals dropped
         for name, tensor in saved[0]["after"].items():
             torch.testing.assert_close(result["after"][name], tensor, rtol=1e-5, atol=1e-6)

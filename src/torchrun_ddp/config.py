@@ -94,7 +94,11 @@ class TrainConfig:
     eval_files: list[str] = _opt(
         [], "Local json/json.gz held-out files; empty means the hub dataset's validation split."
     )
-    shuffle_buffer: int = _opt(1000, "Documents in the seeded streaming shuffle buffer.")
+    shuffle_buffer: int = _opt(
+        1000,
+        "Documents per shuffled block of the global document order (each block permuted by "
+        "seed, epoch and block); 0 keeps stream order.",
+    )
     seq_length: int = _opt(512, "Tokens per packed training window.")
     batch_size: int = _opt(4, "Micro-batch size in windows per rank.")
     accumulation_steps: int = _opt(1, "Micro-batches accumulated per optimizer step.")

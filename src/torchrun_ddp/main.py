@@ -111,6 +111,7 @@ from torchrun_ddp.model import (
 )
 from torchrun_ddp.optimizer import build_optimizer, build_scheduler
 from torchrun_ddp.training_data import (
+    DATA_ORDER,
     PackedWindows,
     TrainLoader,
     build_train_loader,
@@ -878,6 +879,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
         "zero1": config.zero1,
         "seed": config.seed,
         "shuffle_buffer": config.shuffle_buffer,
+        "data_order": DATA_ORDER,
         "epochs": config.epochs,
         "data_files": config.data_files,
         "dataset": [config.dataset, config.dataset_config] if not config.data_files else None,

@@ -259,6 +259,10 @@ def eval_batches(windows: PackedWindows, batch_size: int, count: int) -> list[to
 # ----------------------------------------------------------------------------- training data:
 # one global document order, re-splittable among any number of ranks
 
+DATA_ORDER = "global-blocks-1"
+"""Names the document order and data-position format; a checkpoint of another one is refused
+(the per-rank shuffle buffers of earlier versions cannot be re-split)."""
+
 UNSHUFFLED_BLOCK = 1024
 """Documents per block of the global stream when ``shuffle_buffer`` is 0 (no shuffle)."""
 
@@ -284,7 +288,8 @@ class DocumentBlocks:
         self.shuffle = shuffle
         self.length: int | None = None
         self.loaded: tuple[int, int] | None = None
-        self.loaded_state: object = None
+        self.read_from: tuple[int, int] = (0, 0)
+        self.read_state: object = None
         self.texts: list[str] = []
         self.cursor: tuple[int, int] | None = None
         self.cursor_state: object = None
@@ -301,7 +306,7 @@ class DocumentBlocks:
         start (None: the stream's start), or None before anything was read."""
         if self.loaded is None:
             return None
-        return {"epoch": self.loaded[0], "block": self.loaded[1], "state": self.loaded_state}
+        return {"epoch": self.read_from[0], "block": self.read_from[1], "state": self.read_state}
 
     def restore(self, position: Mapping[str, object] | None) -> None:
         """Read from ``position`` (a ``position()`` result) on; None: from the stream's start."""
@@ -328,7 +333,8 @@ class DocumentBlocks:
             texts = self._read_block()
             if here[1] == block or len(texts) < self.block_size:
                 break
-        self.loaded, self.loaded_state = (epoch, block), state
+        self.loaded = (epoch, block)
+        self.read_from, self.read_state = here, state  # an earlier block if past the end
         self.texts = texts if here[1] == block else []
         if self.shuffle and self.texts:
             random.Random(f"{self.seed}:{epoch}:{block}").shuffle(self.texts)
@@ -552,6 +558,7 @@ class TrainLoader:
                 drop_last=True,
                 snapshot_every_n_steps=1,
                 generator=torch.Generator().manual_seed(self.seed),
+                worker_init_fn=own_process_group,
             )
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -575,6 +582,18 @@ class TrainLoader:
         block = self.windows.blocks.block_size
         self.windows.load_state_dict(reshard_positions(positions, world, block)[rank])
         self.loader = self._new_loader()
+
+
+def own_process_group(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: move the worker into a process group of its own.
+
+    torchrun stops a worker with ``killpg`` (SIGTERM, later SIGKILL) and a terminal's Ctrl-C
+    reaches its whole process group. The training process turns SIGTERM/SIGINT into a checkpoint
+    and a clean exit, so the data worker must not die first (the loader would raise "DataLoader
+    worker is killed by signal"); it ends with its loader, or by DataLoader's watchdog within
+    seconds after the training process is gone.
+    """
+    os.setpgid(0, 0)
 
 
 def data_position(state: Mapping[str, object]) -> Mapping[str, object]:
