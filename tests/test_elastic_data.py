@@ -145,8 +145,11 @@ def test_same_world_size_resume_is_bit_exact(data_file: str) -> None:
     iterator = iter(first)
     for _ in range(20):
         next(iterator)
-    state = json.loads(json.dumps(first.state_dict()))
+    held = first.state_dict()  # a training loop may hold it while it reads ahead
+    text = json.dumps(held)
     expected = [next(iterator) for _ in range(30)]
+    assert json.dumps(held) == text, "a held state_dict changed as later batches arrived"
+    state = json.loads(text)
     resumed = _loader(data_file, 1, 2, 2)
     resumed.load_state_dict(state)
     again = iter(resumed)
