@@ -1,8 +1,9 @@
 """Elastic training under torchrun (real agents on loopback, c10d rendezvous, gloo): two agents
 of one process each train with ZeRO-1; one agent is killed, and the other goes on alone at world
 size 1 from the last checkpoint; then a third agent joins, and the group restarts at world size 2.
-The loss carries on across both changes (no fall back towards an untrained model), every step is
-logged once, and the run ends normally."""
+--keep-global-batch doubles the accumulation at world size 1 (which also keeps that phase long
+enough for the third agent to join before the end). The loss carries on across both changes (no
+fall back towards an untrained model), every step is logged once, and the run ends normally."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _args(sample_data: Path, output_dir: Path) -> list[str]:
         "--output-dir", str(output_dir), "--seq-length", "32", "--batch-size", "2",
         "--max-steps", str(STEPS), "--checkpoint-every", "2", "--log-every", "1",
         "--eval-every", "0", "--eval-batches", "1", "--learning-rate", "1e-2",
-        "--warmup-steps", "2", "--zero1", "--threads", "1",
+        "--warmup-steps", "2", "--zero1", "--threads", "1", "--keep-global-batch",
     ]  # fmt: skip
 
 
@@ -129,7 +130,9 @@ def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) ->
             if proc.poll() is None:
                 _kill_tree(proc)
     log_a = text_a()
-    assert "world size 2 -> 1" in log_a and "world size 1 -> 2" in log_a, log_a[-4000:]
+    assert "world size 2 -> 1: tokens per step 128 -> 128" in log_a, log_a[-4000:]
+    assert "world size 1 -> 2: tokens per step 128 -> 128" in log_a, log_a[-4000:]
+    assert "accumulation 2" in log_a and "accumulation 1" in log_a
     losses = _losses(tmp_path)
     assert sorted(losses) == list(range(1, STEPS + 1))
     resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log_a)]
