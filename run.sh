@@ -3,6 +3,7 @@
 #   NPROC_PER_NODE=8 ./run.sh --config configs/llama2_7b.toml
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 ./run.sh --config configs/llama2_7b.toml   # on node 0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 ./run.sh --config configs/llama2_7b.toml   # on node 1
+#   NNODES=1:4 MASTER_ADDR=node0 ./run.sh ...   # elastic: 1 to 4 nodes, same command on each
 # A crashed worker makes torchrun restart the whole group (up to MAX_RESTARTS times); the
 # restarted workers resume from the newest complete checkpoint.
 # PRINT_ONLY=1 prints the torchrun command (shell-quoted) instead of running it.
@@ -29,11 +30,18 @@ else
   TORCHRUN=(torchrun)
 fi
 
+# NNODES=MIN:MAX is elastic: nodes may leave and join; the c10d rendezvous numbers them, so no
+# --node_rank, and a restarted group resumes at the new world size (see README, Elastic training).
+NODE_RANK_ARG=(--node_rank="$NODE_RANK")
+if [[ "$NNODES" == *:* ]]; then
+  NODE_RANK_ARG=()
+fi
+
 COMMAND=(
   "${TORCHRUN[@]}"
   --nproc_per_node="$NPROC_PER_NODE"
   --nnodes="$NNODES"
-  --node_rank="$NODE_RANK"
+  "${NODE_RANK_ARG[@]}"
   --rdzv_id="$RDZV_ID"
   --rdzv_backend=c10d
   --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"

@@ -11,6 +11,7 @@ from torchrun_ddp.config import (
     TrainConfig,
     build_parser,
     field_names,
+    global_batch_accumulation,
     parse_config,
     save_config,
 )
@@ -161,3 +162,12 @@ def test_a_flag_overrides_a_valid_file_value(tmp_path: Path) -> None:
     file = tmp_path / "run.toml"
     file.write_text('precision = "bf16"\n')
     assert parse_config(["--config", str(file), "--precision", "fp32"]).precision == "fp32"
+
+
+def test_keep_global_batch_accumulation() -> None:
+    assert global_batch_accumulation(1, 2, 1) == 2  # 2 ranks x 1 -> 1 rank x 2
+    assert global_batch_accumulation(2, 1, 2) == 1
+    assert global_batch_accumulation(3, 4, 6) == 2
+    with pytest.raises(UserError, match=r"1 ranks x 2 micro-batches .* over 3 ranks") as info:
+        global_batch_accumulation(2, 1, 3)
+    assert "--keep-global-batch" in str(info.value) and "\n" not in str(info.value)

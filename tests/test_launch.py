@@ -44,6 +44,17 @@ def test_run_sh_prints_a_multi_node_command() -> None:
     assert command[-5:] == ["train.py", "--config", "configs/tiny.toml", "--output-dir", "a b"]
 
 
+def test_run_sh_elastic_nnodes_leaves_node_ranks_to_the_rendezvous() -> None:
+    env = {**os.environ, "PRINT_ONLY": "1", "NNODES": "1:4", "NODE_RANK": "3"}
+    result = subprocess.run(
+        [str(REPO / "run.sh"), "--config", "configs/tiny.toml"],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    [command] = _commands(result.stdout)
+    assert "--nnodes=1:4" in command and "--max_restarts=3" in command
+    assert not [word for word in command if word.startswith("--node_rank")]
+
+
 def test_slurm_example_launches_run_sh_on_every_node(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -53,7 +53,7 @@ from torchrun_ddp.model import (
 from torchrun_ddp.optimizer import build_optimizer, build_scheduler
 from torchrun_ddp.training_data import (
     PackedWindows,
-    build_loader,
+    build_train_loader,
     eval_batches,
     load_tokenizer,
     open_documents,
@@ -248,24 +248,21 @@ def tokens_per_step(config: TrainConfig, env: DistEnv) -> int:
 def build_train_data(
     config: TrainConfig, env: DistEnv, inputs: Inputs, device: torch.device
 ) -> LookaheadBatches:
-    """This rank's shuffled, packed training windows as micro-batches grouped by optimizer step
-    and read ahead (``lookahead``); its position is resumable."""
-    shard = shard_for_rank(inputs.train_documents, env.rank, env.world_size)
-    windows = PackedWindows(
-        shard,
+    """This rank's micro-batches of the global document order (``training_data``: read and
+    packed in a worker process, resumable, re-split at another world size), grouped by
+    optimizer step and read ahead (``lookahead``)."""
+    loader = build_train_loader(
+        inputs.train_documents,
         inputs.tokenizer,
         config.seq_length,
+        config.batch_size,
+        env.rank,
+        env.world_size,
         epochs=config.epochs,
         shuffle_buffer=config.shuffle_buffer,
-        seed=config.seed + env.rank,
+        seed=config.seed,
     )
-    return LookaheadBatches(
-        build_loader(windows, config.batch_size),
-        windows.state_dict,
-        windows.load_state_dict,
-        config.accumulation_steps,
-        device,
-    )
+    return LookaheadBatches(loader, config.accumulation_steps, device)
 
 
 def build_eval_set(

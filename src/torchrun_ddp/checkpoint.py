@@ -55,6 +55,7 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
@@ -145,35 +146,71 @@ class ModelAndOptimizer:
 
 
 class ShardedOptimizer:
-    """This rank's shard of a ``ZeroRedundancyOptimizer`` as per-rank checkpoint state.
+    """A ``ZeroRedundancyOptimizer`` (ZeRO-1) as checkpoint state that loads at any world size.
 
-    Each rank saves the AdamW state of the parameters it owns (``zero.optim``, the local AdamW),
-    with positions as string keys so the state is JSON + tensors; resuming needs the same world
-    size (and so the same partition), which ``load_checkpoint`` checks. ZeRO's own
-    ``param_groups`` are saved too: the scheduler sets the next step's learning rate there, and
-    ZeRO copies it to the local optimizer only when it steps.
+    The AdamW moments and step counts of the parameters a rank owns go through DCP under keys
+    named by parameter (``owned_state``: ``{name: {"exp_avg": ..., ...}}``), each rank writing
+    its own; at load every rank asks DCP for the parameters it owns under the current partition,
+    which may be another world size's (DCP reshards: it reads any subset of the saved keys).
+    ``state_dict`` is the JSON rest, the same on every rank: the local AdamW's hyperparameters
+    and ZeRO's own ``param_groups`` (the scheduler sets the next step's learning rate there, and
+    ZeRO copies it to the local optimizer only when it steps).
     """
 
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+    def __init__(self, zero: ZeroRedundancyOptimizer, model: nn.Module) -> None:
         self.zero = zero
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        self.names = {id(param): name for name, param in inner.named_parameters()}
+
+    def _owned(self) -> list[tuple[str, torch.Tensor]]:
+        return [
+            (self.names[id(param)], param)
+            for group in self.zero.optim.param_groups
+            for param in group["params"]
+        ]
+
+    def owned_names(self) -> list[str]:
+        """Names of the parameters whose optimizer state this rank holds."""
+        return [name for name, _ in self._owned()]
+
+    def owned_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{parameter name: {state key: tensor}}`` of this rank's parameters (AdamW:
+        ``exp_avg``, ``exp_avg_sq`` like the parameter, ``step`` a float32 scalar).
+
+        Raises TypeError for a non-tensor value in the optimizer state."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, param in self._owned():
+            state = self.zero.optim.state.get(param, {})
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"optimizer state {name}/{key} is not a tensor")
+            if state:
+                out[name] = dict(state)
+        return out
+
+    def load_owned(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Set the state of this rank's parameters from ``owned_state`` values (any device;
+        ``Optimizer.load_state_dict`` moves them to the parameters')."""
+        local = self.zero.optim.state_dict()
+        by_name = {name: index for index, (name, _) in enumerate(self._owned())}
+        local["state"] = {by_name[name]: dict(values) for name, values in state.items()}
+        self.zero.optim.load_state_dict(local)
 
     def state_dict(self) -> dict[str, object]:
-        """``{"state": {"<position>": {name: tensor}}, "param_groups": [...], "zero_groups":
-        [...]}`` of this rank (``zero_groups``: ZeRO's groups without their parameters)."""
-        local = self.zero.optim.state_dict()
-        state = {str(index): values for index, values in local["state"].items()}
+        """``{"param_groups": [...], "zero_groups": [...]}``: the local optimizer's and ZeRO's
+        groups without their parameters (JSON)."""
+        local = self.zero.optim.state_dict()["param_groups"]
+        inner = [{k: v for k, v in group.items() if k != "params"} for group in local]
         outer = [
             {k: v for k, v in group.items() if k != "params"} for group in self.zero.param_groups
         ]
-        return {"state": state, "param_groups": local["param_groups"], "zero_groups": outer}
+        return {"param_groups": inner, "zero_groups": outer}
 
     def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
-        """Restore what ``state_dict`` returned on this rank (tensors move to the parameters'
-        device inside ``Optimizer.load_state_dict``)."""
-        saved = cast(Mapping[str, Mapping[str, object]], state_dict["state"])
-        state = {int(index): values for index, values in saved.items()}
-        groups = state_dict["param_groups"]
-        self.zero.optim.load_state_dict({"state": state, "param_groups": groups})
+        """Restore the hyperparameters of ``state_dict`` (from any rank of any world size)."""
+        inner = cast(list[Mapping[str, object]], state_dict["param_groups"])
+        for group, saved_group in zip(self.zero.optim.param_groups, inner, strict=True):
+            group.update(saved_group)
         outer = cast(list[Mapping[str, object]], state_dict["zero_groups"])
         for group, saved_group in zip(self.zero.param_groups, outer, strict=True):
             group.update(saved_group)
@@ -198,6 +235,7 @@ def save_checkpoint(
     per_rank: Mapping[str, object],
     meta: Mapping[str, object],
     keep: int,
+    sharded: Mapping[str, ShardedOptimizer] | None = None,
 ) -> Path:
     """Write ``<root>/step-<step>/`` from every rank (collective) and return its path.
 
@@ -207,7 +245,10 @@ def save_checkpoint(
     lists / tuples of tensors (any device and dtype; saved as is, loaded on the CPU), ints,
     floats, strings, bools and None; written to ``rank-<r>.safetensors`` / ``rank-<r>.json``.
     ``meta``: JSON-serialisable facts for ``check_compatible`` (``step`` and ``world_size`` are
-    added). An existing ``step-<step>`` is replaced. Afterwards only the newest ``keep``
+    added). ``sharded``: state each rank holds for its own parameters (ZeRO-1), written through
+    DCP next to the shared tensors under ``sharded/<name>/<parameter>/<key>``, so that
+    ``load_checkpoint`` can load it at another world size.
+    An existing ``step-<step>`` is replaced. Afterwards only the newest ``keep``
     complete checkpoints remain. Every rank returns after the marker is written.
 
     Raises ``ValueError`` for ``keep < 1`` and ``TypeError`` for a value JSON cannot hold, both
@@ -221,6 +262,7 @@ def save_checkpoint(
     shared_tree, shared_tensors = _split_shared(shared)
     rank_tensors: dict[str, torch.Tensor] = {}
     rank_tree = _split(per_rank, "", rank_tensors)
+    dcp_tensors = {**shared_tensors, **_sharded_tensors(sharded or {})}
     meta_text = json.dumps({**meta, "step": step, "world_size": world_size})
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
     if rank == 0:
@@ -229,8 +271,8 @@ def save_checkpoint(
     _barrier()
     failure: BaseException | None = None
     try:
-        if shared_tensors:  # the same on every rank, so all or none enter the collective
-            dcp.save(_unshared(shared_tensors), storage_writer=_writer(tmp / _DCP_DIR))
+        if shared_tensors or sharded:  # the same on every rank: all or none enter it
+            dcp.save(_unshared(dcp_tensors), storage_writer=_writer(tmp / _DCP_DIR))
         cpu = {key: value.cpu().contiguous() for key, value in _unshared(rank_tensors).items()}
         _write_bytes(tmp / f"rank-{rank}.safetensors", safetensors_bytes(cpu))
         _write_json(tmp / f"rank-{rank}.json", rank_tree)
@@ -302,29 +344,112 @@ def check_compatible(saved: Mapping[str, object], current: Mapping[str, object])
             )
 
 
-def load_checkpoint(path: Path, shared: Mapping[str, Stateful]) -> dict[str, object]:
-    """Restore ``shared`` in place from ``path`` (collective) and return this rank's ``per_rank``.
+def load_checkpoint(
+    path: Path,
+    shared: Mapping[str, Stateful],
+    sharded: Mapping[str, ShardedOptimizer] | None = None,
+    reshard: bool = False,
+) -> dict[str, object] | None:
+    """Restore ``shared`` and ``sharded`` in place from ``path`` (collective) and return this
+    rank's ``per_rank``.
 
     ``shared`` must hold the same names and kinds of objects as at save time; their current
     tensors (e.g. a freshly built model) receive the saved values through ``dcp.load``, then
-    ``load_state_dict`` gets the full saved state. Per-rank tensors come back on the CPU.
+    ``load_state_dict`` gets the full saved state. ``sharded`` objects get the saved state of
+    the parameters they own now (``load_owned``), at the saved or, with ``reshard``, any world
+    size. Per-rank tensors come back on the CPU. With ``reshard`` and a checkpoint of another
+    world size, the per-rank state of the old ranks is not this rank's: None is returned (read
+    it with ``load_rank_states``).
 
-    Raises UserError if ``path`` is incomplete, was saved with another world size, or its tensors
-    do not match the objects in ``shared`` (names or count).
+    Raises UserError if ``path`` is incomplete, was saved with another world size (unless
+    ``reshard``), or its tensors do not match the objects in ``shared`` (names or count).
     """
     rank, world_size = _rank_and_world()
-    check_compatible(read_meta(path), {"world_size": world_size})
+    meta = read_meta(path)
+    if not reshard:
+        check_compatible(meta, {"world_size": world_size})
     saved_tree = json.loads((path / _SHARED_JSON).read_text())
     _, template = _split_shared(shared)
     _require_same_keys(path, _tensor_keys(saved_tree), set(template))
-    if template:
-        dcp.load(template, storage_reader=dcp.HuggingFaceStorageReader(str(path / _DCP_DIR)))
+    if template or sharded:
+        reader = dcp.HuggingFaceStorageReader(str(path / _DCP_DIR))
+        owned = _sharded_template(reader, sharded or {})
+        dcp.load({**template, **owned}, storage_reader=reader)
+        _load_sharded(sharded or {}, owned)
     restored = cast(dict[str, Mapping[str, object]], _join(saved_tree, template))
     for name, obj in shared.items():
         obj.load_state_dict(restored[name])
-    state = _load_tree(path, f"rank-{rank}")
+    state = _load_tree(path, f"rank-{rank}") if meta["world_size"] == world_size else None
     _barrier()
     return state
+
+
+def load_rank_states(path: Path, name: str, ranks: list[int] | None = None) -> list[object]:
+    """The per-rank entry ``name`` of every rank that saved ``path`` (or of ``ranks``), in rank
+    order; only that entry's tensors are read (CPU). No collective: any rank of a run at any
+    world size may call it (e.g. to re-split the data positions of all old ranks).
+
+    Raises UserError if ``path`` is incomplete or a rank's files are missing.
+    """
+    saved_world = int(read_meta(path)["world_size"])
+    out: list[object] = []
+    for rank in range(saved_world) if ranks is None else ranks:
+        skeleton_path = path / f"rank-{rank}.json"
+        if not skeleton_path.is_file():
+            raise UserError(f"{skeleton_path} is missing; {_HINT}")
+        tree = json.loads(skeleton_path.read_text())[name]
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(path / f"rank-{rank}.safetensors", framework="pt") as handle:
+            for key in _tensor_keys(tree):
+                tensors[key] = handle.get_tensor(key)
+        out.append(_join(tree, tensors))
+    return out
+
+
+def _sharded_key(name: str, parameter: str, key: str) -> str:
+    return f"sharded/{name}/{parameter}/{key}"
+
+
+def _sharded_tensors(sharded: Mapping[str, ShardedOptimizer]) -> dict[str, torch.Tensor]:
+    """Every ``owned_state`` tensor of ``sharded`` under its DCP key."""
+    return {
+        _sharded_key(name, parameter, key): tensor
+        for name, obj in sharded.items()
+        for parameter, values in obj.owned_state().items()
+        for key, tensor in values.items()
+    }
+
+
+def _sharded_template(
+    reader: dcp.HuggingFaceStorageReader, sharded: Mapping[str, ShardedOptimizer]
+) -> dict[str, torch.Tensor]:
+    """Empty CPU tensors, shaped as saved, for the saved state of the parameters that
+    ``sharded`` own now (parameters without saved state are left out)."""
+    if not sharded:
+        return {}
+    saved = reader.read_metadata().state_dict_metadata
+    template: dict[str, torch.Tensor] = {}
+    for name, obj in sharded.items():
+        for parameter in obj.owned_names():
+            prefix = _sharded_key(name, parameter, "")
+            for key, item in saved.items():
+                if key.startswith(prefix) and "/" not in key[len(prefix) :]:
+                    template[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+    return template
+
+
+def _load_sharded(
+    sharded: Mapping[str, ShardedOptimizer], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Hand each ``sharded`` object its loaded tensors as ``{parameter: {key: tensor}}``."""
+    for name, obj in sharded.items():
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for parameter in obj.owned_names():
+            prefix = _sharded_key(name, parameter, "")
+            for key, tensor in tensors.items():
+                if key.startswith(prefix) and "/" not in key[len(prefix) :]:
+                    state.setdefault(parameter, {})[key[len(prefix) :]] = tensor
+        obj.load_owned(state)
 
 
 @dataclass(frozen=True)
@@ -482,6 +607,17 @@ def restore_rng_state(state: Mapping[str, object]) -> None:
         )
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def seed_rng(seed: str) -> None:
+    """Seed the global RNGs (python, numpy if installed, torch CPU and CUDA) from a string, for
+    a rank that has no saved RNG state of its own (a resume at another world size)."""
+    value = random.Random(seed).getrandbits(63)
+    random.seed(value)
+    torch.manual_seed(value)
+    numpy = _numpy()
+    if numpy is not None:
+        numpy.random.seed(value % 2**32)
 
 
 # ----------------------------------------------------------------------------- tree <-> JSON
@@ -722,6 +858,7 @@ __all__ = [
     "MARKER",
     "RUN_FILE",
     "ModelAndOptimizer",
+    "ShardedOptimizer",
     "StartPlan",
     "Stateful",
     "capture_rng_state",
@@ -730,6 +867,7 @@ __all__ = [
     "delete_run",
     "find_latest",
     "load_checkpoint",
+    "load_rank_states",
     "model_fingerprint",
     "new_run_id",
     "plan_start",
@@ -738,6 +876,7 @@ __all__ = [
     "record_run_id",
     "restore_rng_state",
     "save_checkpoint",
+    "seed_rng",
     "verify_start",
     "write_run_id",
 ]

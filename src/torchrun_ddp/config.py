@@ -94,10 +94,20 @@ class TrainConfig:
     eval_files: list[str] = _opt(
         [], "Local json/json.gz held-out files; empty means the hub dataset's validation split."
     )
-    shuffle_buffer: int = _opt(1000, "Documents in the seeded streaming shuffle buffer.")
+    shuffle_buffer: int = _opt(
+        1000,
+        "Documents per shuffled block of the global document order (each block permuted by "
+        "seed, epoch and block); 0 keeps stream order.",
+    )
     seq_length: int = _opt(512, "Tokens per packed training window.")
     batch_size: int = _opt(4, "Micro-batch size in windows per rank.")
     accumulation_steps: int = _opt(1, "Micro-batches accumulated per optimizer step.")
+    keep_global_batch: bool = _opt(
+        False,
+        "On resuming at another world size, keep the checkpoint's global batch (world size x "
+        "--batch-size x accumulation) by changing --accumulation-steps; refused where the sizes "
+        "do not divide. Off: the global batch follows the world size.",
+    )
     # Optimisation
     learning_rate: float = _opt(1e-5, "Peak learning rate of AdamW.")
     weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to norms and biases).")
@@ -447,3 +457,17 @@ def save_config(config: TrainConfig, path: Path) -> None:
     is only ever read from the environment)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_toml(config))
+
+
+def global_batch_accumulation(accumulation: int, old_world_size: int, world_size: int) -> int:
+    """Micro-batches per step that keep ``old_world_size x accumulation`` micro-batches per
+    optimizer step on ``world_size`` ranks (--keep-global-batch); raises UserError where
+    ``world_size`` does not divide that product."""
+    total = old_world_size * accumulation
+    if total % world_size:
+        raise UserError(
+            f"--keep-global-batch: the checkpoint's {old_world_size} ranks x {accumulation} "
+            f"micro-batches per step cannot be split over {world_size} ranks; use a world size "
+            f"that divides {total}, or drop --keep-global-batch"
+        )
+    return total // world_size

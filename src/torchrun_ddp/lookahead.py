@@ -12,39 +12,41 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 import torch
+
+
+class DataSource(Protocol):
+    """A resumable loader of micro-batches (int64 token ids [micro_batch, seq_length]):
+    ``state_dict`` is the position after the last micro-batch it yielded (JSON values and
+    tensors), ``load_state_dict`` resumes there (e.g. ``training_data.TrainLoader``)."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]: ...
+
+    def state_dict(self) -> Mapping[str, object]: ...
+
+    def load_state_dict(self, state: Mapping[str, object], /) -> None: ...
 
 
 class LookaheadBatches:
     """This rank's micro-batches, ``accumulation_steps`` per optimizer step, read ahead.
 
-    ``loader`` yields micro-batches (int64 token ids [micro_batch, seq_length]); ``position``
-    returns the data position after the last micro-batch the loader yielded (JSON values and
-    tensors, e.g. ``PackedWindows.state_dict``), and ``restore`` loads one. The loader's iterator
-    is created on the first read, after a resume has restored the position, under
-    ``torch.random.fork_rng`` (creating it draws from the CPU RNG that resume restored).
+    The source's iterator is created on the first read, after a resume has restored the
+    position, under ``torch.random.fork_rng`` (so creating it cannot draw from the CPU RNG that
+    resume restored).
 
     ``state_dict`` is the position after the last step handed out by :meth:`next_step`.
     ``data_time_s`` accumulates the seconds spent reading (host wall clock).
     """
 
-    def __init__(
-        self,
-        loader: Iterable[torch.Tensor],
-        position: Callable[[], Mapping[str, object]],
-        restore: Callable[[Mapping[str, object]], None],
-        accumulation_steps: int,
-        device: torch.device,
-    ) -> None:
-        self.loader = loader
-        self.position = position
-        self.restore = restore
+    def __init__(self, source: DataSource, accumulation_steps: int, device: torch.device) -> None:
+        self.source = source
         self.accumulation_steps = accumulation_steps
         self.device = device
         self.ready: deque[tuple[list[torch.Tensor], Mapping[str, object]]] = deque()
-        self.trained_position: Mapping[str, object] = position()
+        self.trained_position: Mapping[str, object] = source.state_dict()
         self.data_time_s = 0.0
         self._iterator: Iterator[torch.Tensor] | None = None
 
@@ -57,7 +59,7 @@ class LookaheadBatches:
                 batches = self._read_step()
                 if batches is None:
                     return False
-                self.ready.append((batches, self.position()))
+                self.ready.append((batches, self.source.state_dict()))
             return True
         finally:
             self.data_time_s += time.perf_counter() - started
@@ -65,7 +67,7 @@ class LookaheadBatches:
     def _read_step(self) -> list[torch.Tensor] | None:
         if self._iterator is None:
             with torch.random.fork_rng(devices=[]):
-                self._iterator = iter(self.loader)
+                self._iterator = iter(self.source)
         batches: list[torch.Tensor] = []
         for batch in self._iterator:
             batches.append(batch.to(self.device, non_blocking=True))
@@ -91,5 +93,10 @@ class LookaheadBatches:
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Resume at ``state`` (from :meth:`state_dict`); call before the first read."""
-        self.restore(state)
+        self.source.load_state_dict(state)
         self.trained_position = state
+
+    def restored(self) -> None:
+        """Take the source's position as the trained one after the source was restored another
+        way (``TrainLoader.load_resharded``); call before the first read."""
+        self.trained_position = self.source.state_dict()

@@ -10,7 +10,6 @@ the gradient all-reduce and no host synchronisation. Evaluate and checkpoint on 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -22,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -33,21 +31,9 @@ from torchrun_ddp.build import (
     build_trainer,
     checkpoint_root,
     prepare_inputs,
-    tokens_per_step,
 )
 from torchrun_ddp.checkpoint import (
-    ModelAndOptimizer,
-    ShardedOptimizer,
-    StartPlan,
-    Stateful,
-    capture_rng_state,
-    check_compatible,
-    load_checkpoint,
-    model_fingerprint,
-    read_meta,
     record_run_id,
-    restore_rng_state,
-    save_checkpoint,
 )
 from torchrun_ddp.config import TrainConfig, save_config
 from torchrun_ddp.distributed import (
@@ -68,8 +54,8 @@ from torchrun_ddp.metrics import (
 from torchrun_ddp.model import (
     autocast_context,
     export_final_model,
-    lora_settings,
 )
+from torchrun_ddp.training_state import resume, save
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -255,81 +241,6 @@ def evaluate(trainer: Trainer) -> Record:
         return {}
     eval_loss = float(totals[0] / totals[1])
     return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}
-
-
-def shared_state(trainer: Trainer) -> dict[str, Stateful]:
-    """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it),
-    learning-rate schedule."""
-    optimizer = None if trainer.config.zero1 else trainer.optimizer
-    frozen_base = trainer.config.peft != "none"  # rebuilt from --model (and --seed) on resume
-    return {
-        "train": ModelAndOptimizer(trainer.model, optimizer, trainable_only=frozen_base),
-        "scheduler": trainer.scheduler,
-    }
-
-
-def rank_state(trainer: Trainer) -> dict[str, Stateful]:
-    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard."""
-    state: dict[str, Stateful] = {"data": trainer.data, "compression": trainer.compression}
-    if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
-        state["optimizer"] = ShardedOptimizer(trainer.optimizer)
-    return state
-
-
-def run_identity(trainer: Trainer) -> dict[str, object]:
-    """What a checkpoint must match to be resumed by this run."""
-    config = trainer.config
-    return {
-        "model": model_fingerprint(trainer.model),
-        "vocab_size": trainer.model.module.config.vocab_size,
-        "compression": config.compression,
-        "seq_length": config.seq_length,
-        "zero1": config.zero1,
-        "seed": config.seed,
-        "shuffle_buffer": config.shuffle_buffer,
-        "epochs": config.epochs,
-        "data_files": config.data_files,
-        "dataset": [config.dataset, config.dataset_config] if not config.data_files else None,
-        "peft": None if config.peft == "none" else dataclasses.asdict(lora_settings(config)),
-    }
-
-
-def save(trainer: Trainer) -> Path:
-    """Save an exact-resume checkpoint of the step just finished (collective)."""
-    per_rank = {name: obj.state_dict() for name, obj in rank_state(trainer).items()}
-    per_rank["rng"] = capture_rng_state()
-    meta = {**run_identity(trainer), "config": dataclasses.asdict(trainer.config)}
-    meta["run_id"] = trainer.run_id
-    meta["tokens_seen"] = trainer.step * tokens_per_step(trainer.config, trainer.env)
-    path = save_checkpoint(
-        checkpoint_root(trainer.config),
-        trainer.step,
-        shared_state(trainer),
-        per_rank,
-        meta,
-        keep=trainer.config.keep_checkpoints,
-    )
-    log.info("saved checkpoint %s", path)
-    return path
-
-
-def resume(trainer: Trainer, plan: StartPlan) -> None:
-    """Restore the checkpoint that ``plan`` names (every rank agreed on it), if any.
-
-    Raises UserError, before any training state changes, if the checkpoint does not fit this
-    run (model, data stream, world size...).
-    """
-    if plan.path is None:
-        return
-    path = Path(plan.path)
-    saved = read_meta(path)
-    check_compatible(saved, {**run_identity(trainer), "world_size": trainer.env.world_size})
-    per_rank = load_checkpoint(path, shared_state(trainer))
-    for name, obj in rank_state(trainer).items():
-        obj.load_state_dict(per_rank[name])
-    restore_rng_state(per_rank["rng"])
-    trainer.step = int(saved["step"])
-    log.info("resumed from %s at step %d", path, trainer.step)
 
 
 def save_final_model(trainer: Trainer) -> None:

@@ -1,10 +1,16 @@
-"""Stream, shard per rank, tokenise and pack text into full windows; train and eval loaders.
+"""Stream, order, tokenise and pack text into full windows; train and eval loaders.
 
 Documents come from ``datasets`` streaming (the hub's ``allenai/c4`` or local json/json.gz
-files in C4's layout), are split across ranks with ``datasets.distributed.split_dataset_by_node``,
-shuffled with a seeded buffer of documents, tokenised as ``BOS + tokens + EOS`` (without BOS for
-tokenizers that have none, such as Qwen2's) and packed back to back into windows of exactly
-``seq_length`` tokens, so no padding token is ever trained on.
+files in C4's layout), are tokenised as ``BOS + tokens + EOS`` (without BOS for tokenizers that
+have none, such as Qwen2's) and packed back to back into windows of exactly ``seq_length``
+tokens, so no padding token is ever trained on.
+
+Training data (``build_train_loader``) follows one global document order that is a pure function
+of the seed, the epoch and the position in the stream (``GlobalPackedWindows``): every rank reads
+the whole stream, shuffles it in fixed blocks, and takes the positions dealt to it. Its state is
+small and can be re-split among another number of ranks (``reshard_positions``), so a run can
+continue at another world size with every document trained exactly once. Held-out data is split
+per rank with ``datasets.distributed.split_dataset_by_node`` and packed by ``PackedWindows``.
 """
 
 from __future__ import annotations
@@ -13,15 +19,18 @@ import copy
 import glob
 import gzip
 import json
+import os
 import random
+import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from datasets import IterableDataset, load_dataset
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from torchrun_ddp.errors import UserError
@@ -126,6 +135,18 @@ def shard_for_rank(documents: IterableDataset, rank: int, world_size: int) -> It
     return split_dataset_by_node(documents, rank=rank, world_size=world_size)
 
 
+def document_tokens(tokenizer: PreTrainedTokenizerBase, text: str | None) -> list[int]:
+    """``[BOS] + ids + [EOS]`` of one document (BOS or EOS left out where the tokenizer has
+    none); ``[]`` for a blank document. Raises UserError for a record without text."""
+    if text is None:
+        raise UserError("a data record has no 'text' field; every JSON line needs one")
+    if not text.strip():
+        return []
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return [*([bos] if bos is not None else []), *ids, *([eos] if eos is not None else [])]
+
+
 class PackedWindows(torch.utils.data.IterableDataset):
     """Windows of ``seq_length`` token ids (int64 tensors of shape [seq_length]), packed.
 
@@ -160,13 +181,7 @@ class PackedWindows(torch.utils.data.IterableDataset):
         self.resumed = False
 
     def _token_ids(self, text: str | None) -> list[int]:
-        if text is None:
-            raise UserError("a data record has no 'text' field; every JSON line needs one")
-        if not text.strip():
-            return []
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
-        return [*([bos] if bos is not None else []), *ids, *([eos] if eos is not None else [])]
+        return document_tokens(self.tokenizer, text)
 
     def _shuffled_texts(self) -> Iterator[str | None]:
         """One epoch of documents through the shuffle buffer (``pending``)."""
@@ -239,3 +254,376 @@ def eval_batches(windows: PackedWindows, batch_size: int, count: int) -> list[to
             break
         batches.append(batch)
     return batches
+
+
+# ----------------------------------------------------------------------------- training data:
+# one global document order, re-splittable among any number of ranks
+
+DATA_ORDER = "global-blocks-1"
+"""Names the document order and data-position format; a checkpoint of another one is refused
+(the per-rank shuffle buffers of earlier versions cannot be re-split)."""
+
+UNSHUFFLED_BLOCK = 1024
+"""Documents per block of the global stream when ``shuffle_buffer`` is 0 (no shuffle)."""
+
+
+class DocumentBlocks:
+    """The whole document stream (every rank reads all of it), one block at a time.
+
+    Block ``b`` of epoch ``e`` holds stream documents ``[b S, (b + 1) S)`` (``S`` =
+    ``block_size``), permuted by ``random.Random(f"{seed}:{e}:{b}")`` when ``shuffle`` is set, so
+    the document at a global position is a pure function of (seed, epoch, position). Blocks are
+    read forward; a block behind the cursor or in another epoch restarts the stream (or resumes
+    it from a saved ``datasets`` state at a block start). ``length`` is the number of documents
+    per epoch once the end of the stream has been seen, else None.
+    """
+
+    def __init__(
+        self, documents: IterableDataset, block_size: int, seed: int, shuffle: bool
+    ) -> None:
+        self.documents = documents
+        self.start_state = copy.deepcopy(documents.state_dict())
+        self.block_size = block_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.length: int | None = None
+        self.loaded: tuple[int, int] | None = None
+        self.read_from: tuple[int, int] = (0, 0)
+        self.read_state: object = None
+        self.texts: list[str] = []
+        self.cursor: tuple[int, int] | None = None
+        self.cursor_state: object = None
+        self.iterator: Iterator[Mapping[str, object]] | None = None
+
+    def text(self, epoch: int, position: int) -> str | None:
+        """The document at ``position`` of ``epoch``'s order, or None past the end of the data."""
+        block, offset = divmod(position, self.block_size)
+        self._load(epoch, block)
+        return self.texts[offset] if offset < len(self.texts) else None
+
+    def position(self) -> dict[str, object] | None:
+        """Where to start reading again (JSON): the loaded block and the ``datasets`` state at its
+        start (None: the stream's start), or None before anything was read."""
+        if self.loaded is None:
+            return None
+        return {"epoch": self.read_from[0], "block": self.read_from[1], "state": self.read_state}
+
+    def restore(self, position: Mapping[str, object] | None) -> None:
+        """Read from ``position`` (a ``position()`` result) on; None: from the stream's start."""
+        self.loaded = None
+        self.texts = []
+        if position is None:
+            self.cursor = None
+            return
+        epoch, block = int(position["epoch"]), int(position["block"])
+        self._seek(epoch, block, position["state"])
+
+    def _seek(self, epoch: int, block: int, state: object) -> None:
+        self.documents.load_state_dict(copy.deepcopy(state or self.start_state))
+        self.iterator = None
+        self.cursor, self.cursor_state = (epoch, block), state
+
+    def _load(self, epoch: int, block: int) -> None:
+        if self.loaded == (epoch, block):
+            return
+        if self.cursor is None or self.cursor[0] != epoch or self.cursor[1] > block:
+            self._seek(epoch, 0, None)
+        while True:
+            here, state = self.cursor, self.cursor_state
+            texts = self._read_block()
+            if here[1] == block or len(texts) < self.block_size:
+                break
+        self.loaded = (epoch, block)
+        self.read_from, self.read_state = here, state  # an earlier block if past the end
+        self.texts = texts if here[1] == block else []
+        if self.shuffle and self.texts:
+            random.Random(f"{self.seed}:{epoch}:{block}").shuffle(self.texts)
+
+    def _read_block(self) -> list[str]:
+        """The next ``block_size`` documents from the cursor (fewer at the end of the data)."""
+        if self.iterator is None:
+            self.iterator = iter(self.documents)
+        epoch, block = self.cursor
+        texts: list[str] = []
+        for record in self.iterator:
+            text = record.get("text")
+            if not isinstance(text, str):
+                raise UserError("a data record has no 'text' field; every JSON line needs one")
+            texts.append(text)
+            if len(texts) == self.block_size:
+                break
+        if len(texts) < self.block_size:
+            self.length = block * self.block_size + len(texts)
+            self.cursor, self.cursor_state, self.iterator = None, None, None
+            return texts
+        self.cursor = (epoch, block + 1)
+        self.cursor_state = copy.deepcopy(self.documents.state_dict())
+        return texts
+
+
+def fresh_position(rank: int, world_size: int) -> dict[str, object]:
+    """The data position of ``rank`` of ``world_size`` at the start of training (JSON).
+
+    Keys: ``rank``, ``world_size``; ``epoch``, ``start``, ``next``: the round robin (this rank
+    takes positions ``next, next + world_size, ...`` of ``epoch``, which began at ``start``);
+    ``queue``: ``[epoch, position]`` pairs taken first (left over by a change of world size);
+    ``carry``: token ids read but not yet in a window; ``length``: documents per epoch once known;
+    ``reader``: where to read the stream again (``DocumentBlocks.position``).
+    """
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "epoch": 0,
+        "start": 0,
+        "next": rank,
+        "queue": [],
+        "carry": [],
+        "length": None,
+        "reader": None,
+    }
+
+
+class GlobalPackedWindows(torch.utils.data.IterableDataset):
+    """This rank's packed windows (int64 tensors of shape [seq_length]) of a global order.
+
+    Every rank reads the whole stream in ``DocumentBlocks`` (blocks of ``shuffle_buffer``
+    documents shuffled by (seed, epoch, block); stream order in blocks of ``UNSHUFFLED_BLOCK``
+    when it is 0) and takes the positions its state deals it: first its ``queue``, then every
+    ``world_size``-th position from ``start + rank``. Each document becomes ``[BOS] + ids + [EOS]``
+    and the tokens are cut into full windows (``carry`` holds the rest). ``state_dict`` is small
+    JSON (see ``fresh_position``) and exact after the last window yielded; ``reshard_positions``
+    re-splits the states of all ranks among another number of ranks.
+    """
+
+    def __init__(
+        self,
+        documents: IterableDataset,
+        tokenizer: PreTrainedTokenizerBase,
+        seq_length: int,
+        rank: int,
+        world_size: int,
+        epochs: int = 1,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        block = shuffle_buffer or UNSHUFFLED_BLOCK
+        self.blocks = DocumentBlocks(documents, block, seed, shuffle=shuffle_buffer > 0)
+        self.tokenizer = tokenizer
+        self.seq_length = seq_length
+        self.epochs = epochs
+        self.state = fresh_position(rank, world_size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        state = self.state
+        self.blocks.restore(state["reader"])
+        self.blocks.length = state["length"]
+        carry: list[int] = state["carry"]
+        while (target := self._target()) is not None:
+            text = self.blocks.text(*target)
+            self._advance(past_end=text is None)
+            if text is None:
+                continue
+            carry.extend(document_tokens(self.tokenizer, text))
+            while len(carry) >= self.seq_length:
+                window = carry[: self.seq_length]
+                del carry[: self.seq_length]
+                yield torch.tensor(window, dtype=torch.long)
+
+    def _target(self) -> tuple[int, int] | None:
+        """The next (epoch, position) to read, or None when every epoch is done."""
+        state = self.state
+        if state["queue"]:
+            epoch, position = state["queue"][0]
+            return int(epoch), int(position)
+        if state["epoch"] >= self.epochs:
+            return None
+        return int(state["epoch"]), int(state["next"])
+
+    def _advance(self, past_end: bool) -> None:
+        """Mark the target taken; a round robin past the end of the data starts the next epoch."""
+        state = self.state
+        if state["queue"]:
+            state["queue"].pop(0)
+        elif past_end:
+            state.update(epoch=state["epoch"] + 1, start=0, next=state["rank"])
+        else:
+            state["next"] += state["world_size"]
+
+    def state_dict(self) -> dict[str, object]:
+        """This rank's data position after the last window yielded (JSON values only)."""
+        state = self.state
+        return {
+            **state,
+            "queue": [list(pair) for pair in state["queue"]],
+            "carry": list(state["carry"]),
+            "length": self.blocks.length if self.blocks.length is not None else state["length"],
+            "reader": self.blocks.position() or state["reader"],
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Continue from a ``state_dict`` (or ``reshard_positions``) result."""
+        self.state = copy.deepcopy(dict(state))
+
+
+def reshard_positions(
+    states: Sequence[Mapping[str, object]], world_size: int, block_size: int
+) -> list[dict[str, object]]:
+    """Re-split the data positions of all ranks of one run among ``world_size`` new ranks.
+
+    ``states``: every old rank's ``GlobalPackedWindows.state_dict()``, in rank order. What no old
+    rank has taken yet is dealt out: the old queues, every position below the frontier (the
+    furthest position any rank has taken, plus one) that its owner has not taken, and the
+    remainder of epochs that a rank has not finished while another has. These go round robin
+    into the new ranks' queues in global order; old rank ``j``'s carried tokens go to new rank
+    ``j % world_size``; the new round robin starts at the frontier. Nothing is taken twice or
+    skipped. ``block_size``: documents per block of the stream (to pick each new rank's reader).
+
+    Raises ValueError if ``states`` are not the ranks 0..W-1 of one world size W.
+    """
+    old_world = int(states[0]["world_size"])
+    if [int(s["rank"]) for s in states] != list(range(old_world)) or any(
+        int(s["world_size"]) != old_world for s in states
+    ):
+        raise ValueError(f"need the data positions of ranks 0..{old_world - 1}, in order")
+    epoch = max(int(s["epoch"]) for s in states)
+    length = next((s["length"] for s in states if s["length"] is not None), None)
+    holes = [(int(e), int(p)) for s in states for e, p in s["queue"]]
+    behind = [s for s in states if int(s["epoch"]) < epoch]
+    if behind and length is None:
+        raise ValueError("ranks are in different epochs but the epoch length is unknown")
+    for s in behind:
+        holes += [(int(s["epoch"]), p) for p in range(int(s["next"]), length, old_world)]
+    ahead = [s for s in states if int(s["epoch"]) == epoch]
+    start = max([int(ahead[0]["start"])] + [int(s["next"]) - old_world + 1 for s in ahead])
+    for s in ahead:
+        holes += [(epoch, p) for p in range(int(s["next"]), start, old_world)]
+    holes.sort()
+    readers = [s["reader"] for s in states if s["reader"] is not None]
+    new = []
+    for rank in range(world_size):
+        queue = holes[rank::world_size]
+        first = queue[0] if queue else (epoch, start + rank)
+        new.append({
+            **fresh_position(rank, world_size),
+            "epoch": epoch,
+            "start": start,
+            "next": start + rank,
+            "queue": [list(pair) for pair in queue],
+            "carry": [t for s in states[rank::world_size] for t in s["carry"]],
+            "length": length,
+            "reader": _reader_before(readers, first, block_size),
+        })  # fmt: skip
+    return new
+
+
+def _reader_before(
+    readers: Sequence[Mapping[str, object]], target: tuple[int, int], block_size: int
+) -> Mapping[str, object] | None:
+    """The saved reader position furthest along that is not past ``target``'s block."""
+    limit = (target[0], target[1] // block_size)
+    fitting = [r for r in readers if (int(r["epoch"]), int(r["block"])) <= limit]
+    return max(fitting, key=lambda r: (int(r["epoch"]), int(r["block"])), default=None)
+
+
+class TrainLoader:
+    """Micro-batches (int64 tensors [batch_size, seq_length]) of ``GlobalPackedWindows``, read
+    and packed in one worker process by torchdata's ``StatefulDataLoader``, off the training
+    thread.
+
+    ``state_dict()`` is the position after the last micro-batch yielded (the worker sends the
+    dataset's state with every batch; ``snapshot_every_n_steps=1``), JSON values only.
+    ``load_state_dict`` resumes it bit-exactly at the same world size; ``load_resharded`` resumes
+    from the states of all ranks of a run at another world size. The worker's seed comes from
+    its own generator, so the global torch RNG is never drawn from.
+    """
+
+    WORKERS = 1
+    """One worker: the data position is then a single dataset state per rank."""
+
+    def __init__(self, windows: GlobalPackedWindows, batch_size: int, seed: int = 0) -> None:
+        self.windows = windows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.loader = self._new_loader()
+
+    def _new_loader(self) -> StatefulDataLoader:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the worker is a fork
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated
+            warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning)
+            return StatefulDataLoader(
+                self.windows,
+                batch_size=self.batch_size,
+                num_workers=self.WORKERS,
+                drop_last=True,
+                snapshot_every_n_steps=1,
+                generator=torch.Generator().manual_seed(self.seed),
+                worker_init_fn=own_process_group,
+            )
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.loader)
+
+    def state_dict(self) -> dict[str, object]:
+        """``{"loader": StatefulDataLoader state}``: the position after the last batch."""
+        return {"loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Resume from this rank's own ``state_dict`` (same world size): bit-exact."""
+        self.loader = self._new_loader()
+        self.loader.load_state_dict(copy.deepcopy(dict(state["loader"])))
+
+    def load_resharded(self, states: Sequence[Mapping[str, object]]) -> None:
+        """Resume from ``state_dict()`` of every rank of a run at another world size (in rank
+        order): their positions are re-split by ``reshard_positions``."""
+        positions = [data_position(state) for state in states]
+        world = int(self.windows.state["world_size"])
+        rank = int(self.windows.state["rank"])
+        block = self.windows.blocks.block_size
+        self.windows.load_state_dict(reshard_positions(positions, world, block)[rank])
+        self.loader = self._new_loader()
+
+
+def own_process_group(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: move the worker into a process group of its own.
+
+    torchrun stops a worker with ``killpg`` (SIGTERM, later SIGKILL) and a terminal's Ctrl-C
+    reaches its whole process group. The training process turns SIGTERM/SIGINT into a checkpoint
+    and a clean exit, so the data worker must not die first (the loader would raise "DataLoader
+    worker is killed by signal"); it ends with its loader, or by DataLoader's watchdog within
+    seconds after the training process is gone.
+    """
+    os.setpgid(0, 0)
+
+
+def data_position(state: Mapping[str, object]) -> Mapping[str, object]:
+    """The ``GlobalPackedWindows`` state inside a ``TrainLoader.state_dict()``.
+
+    Raises ValueError if the loader state is not one worker's snapshot after its last batch.
+    """
+    loader = state["loader"]
+    snapshot = loader.get("_snapshot") or {}
+    workers = snapshot.get("_worker_snapshots") or {}
+    if loader.get("_steps_since_snapshot", 0) != 0 or list(workers) != ["worker_0"]:
+        raise ValueError("the data loader state is not a one-worker snapshot after a batch")
+    return workers["worker_0"]["dataset_state"]
+
+
+def build_train_loader(
+    documents: IterableDataset,
+    tokenizer: PreTrainedTokenizerBase,
+    seq_length: int,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    epochs: int = 1,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+) -> TrainLoader:
+    """This rank's training micro-batches (int64 [batch_size, seq_length]): the global document
+    order of ``GlobalPackedWindows`` (every rank reads the whole stream of ``documents``), packed
+    in a ``StatefulDataLoader`` worker. Incomplete final micro-batches are dropped."""
+    windows = GlobalPackedWindows(
+        documents, tokenizer, seq_length, rank, world_size, epochs, shuffle_buffer, seed
+    )
+    return TrainLoader(windows, batch_size, seed)

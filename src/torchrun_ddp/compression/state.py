@@ -299,6 +299,21 @@ class CompressionState:
         if "powersgd.rng.keys" in state:
             _rng_from_tensors(self._powersgd.rng, state)
 
+    def load_resharded(self, state: Mapping[str, torch.Tensor | int]) -> int:
+        """Continue at another world size from one old rank's :meth:`state_dict` (rank 0's).
+
+        Kept: ``step`` and, for powersgd, the P and Q memories (the same on every rank after
+        their all-reduce) and the RNG. Dropped: the error-feedback residuals (``residual.*``,
+        ``powersgd.error.*``): they are per rank, only their mean over the old ranks would carry
+        over exactly, and that needs every old rank's copy (a model-sized read per old rank).
+        Returns how many residual tensors were dropped; the caller logs it as a warning. A
+        dropped residual loses at most one step's worth of unsent gradient per parameter.
+        """
+        dropped = [key for key in state if key.startswith(("residual.", "powersgd.error."))]
+        kept = {key: value for key, value in state.items() if key not in dropped}
+        self.load_state_dict(kept)
+        return len(dropped)
+
     def bucket_slices(self, bucket: dist.GradBucket) -> Slices:
         """(parameter index, offset, numel) of every gradient in the bucket's buffer."""
         base = bucket.buffer().storage_offset()

@@ -1,0 +1,167 @@
+"""What a checkpoint holds and how a run resumes from it, at its own or another world size.
+
+The wiring between the trainer's pieces and ``checkpoint.py``: which state is the same on every
+rank (model, optimizer, schedule: DCP), which is per rank (data position, error feedback, RNG:
+JSON + safetensors), which is sharded (ZeRO-1 optimizer state by parameter: DCP, reshardable),
+and what a checkpoint must match to be resumed (``run_identity``). Like main.py, it composes the
+components.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from torchrun_ddp.build import Trainer, checkpoint_root, tokens_per_step
+from torchrun_ddp.checkpoint import (
+    ModelAndOptimizer,
+    ShardedOptimizer,
+    StartPlan,
+    Stateful,
+    capture_rng_state,
+    check_compatible,
+    load_checkpoint,
+    load_rank_states,
+    model_fingerprint,
+    read_meta,
+    restore_rng_state,
+    save_checkpoint,
+    seed_rng,
+)
+from torchrun_ddp.config import global_batch_accumulation
+from torchrun_ddp.model import lora_settings
+from torchrun_ddp.training_data import DATA_ORDER
+
+log = logging.getLogger("torchrun_ddp")
+
+
+def shared_state(trainer: Trainer) -> dict[str, Stateful]:
+    """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it),
+    learning-rate schedule."""
+    optimizer = None if trainer.config.zero1 else trainer.optimizer
+    frozen_base = trainer.config.peft != "none"  # rebuilt from --model (and --seed) on resume
+    return {
+        "train": ModelAndOptimizer(trainer.model, optimizer, trainable_only=frozen_base),
+        "scheduler": trainer.scheduler,
+    }
+
+
+def rank_state(trainer: Trainer) -> dict[str, Stateful]:
+    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard."""
+    state: dict[str, Stateful] = {"data": trainer.data, "compression": trainer.compression}
+    if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
+        state["optimizer"] = ShardedOptimizer(trainer.optimizer, trainer.model)
+    return state
+
+
+def sharded_state(trainer: Trainer) -> dict[str, ShardedOptimizer]:
+    """ZeRO-1 optimizer state by parameter, saved through DCP to load at any world size."""
+    if not isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
+        return {}
+    return {"optimizer": ShardedOptimizer(trainer.optimizer, trainer.model)}
+
+
+def run_identity(trainer: Trainer) -> dict[str, object]:
+    """What a checkpoint must match to be resumed by this run."""
+    config = trainer.config
+    return {
+        "model": model_fingerprint(trainer.model),
+        "vocab_size": trainer.model.module.config.vocab_size,
+        "compression": config.compression,
+        "seq_length": config.seq_length,
+        "zero1": config.zero1,
+        "seed": config.seed,
+        "shuffle_buffer": config.shuffle_buffer,
+        "data_order": DATA_ORDER,
+        "epochs": config.epochs,
+        "data_files": config.data_files,
+        "dataset": [config.dataset, config.dataset_config] if not config.data_files else None,
+        "peft": None if config.peft == "none" else dataclasses.asdict(lora_settings(config)),
+    }
+
+
+def save(trainer: Trainer) -> Path:
+    """Save an exact-resume checkpoint of the step just finished (collective)."""
+    per_rank = {name: obj.state_dict() for name, obj in rank_state(trainer).items()}
+    per_rank["rng"] = capture_rng_state()
+    meta = {**run_identity(trainer), "config": dataclasses.asdict(trainer.config)}
+    meta["run_id"] = trainer.run_id
+    meta["tokens_seen"] = trainer.step * tokens_per_step(trainer.config, trainer.env)
+    path = save_checkpoint(
+        checkpoint_root(trainer.config),
+        trainer.step,
+        shared_state(trainer),
+        per_rank,
+        meta,
+        keep=trainer.config.keep_checkpoints,
+        sharded=sharded_state(trainer),
+    )
+    log.info("saved checkpoint %s", path)
+    return path
+
+
+def resume(trainer: Trainer, plan: StartPlan) -> None:
+    """Restore the checkpoint that ``plan`` names (every rank agreed on it), if any.
+
+    Raises UserError, before any training state changes, if the checkpoint does not fit this
+    run (model, data stream...). A checkpoint of another world size is resumed too (see
+    ``resume_resharded``).
+    """
+    if plan.path is None:
+        return
+    path = Path(plan.path)
+    saved = read_meta(path)
+    check_compatible(saved, run_identity(trainer))
+    adapt_to_world_size(trainer, saved)
+    shared, sharded = shared_state(trainer), sharded_state(trainer)
+    per_rank = load_checkpoint(path, shared, sharded, reshard=True)
+    trainer.step = int(saved["step"])
+    if per_rank is None:
+        resume_resharded(trainer, path)
+    else:
+        for name, obj in rank_state(trainer).items():
+            obj.load_state_dict(per_rank[name])
+        restore_rng_state(per_rank["rng"])
+    log.info("resumed from %s at step %d", path, trainer.step)
+
+
+def adapt_to_world_size(trainer: Trainer, saved: dict[str, object]) -> None:
+    """--keep-global-batch: set accumulation so the checkpoint's global batch stays (UserError
+    where the sizes do not divide). Logs the tokens per step when the world size changed."""
+    config, world = trainer.config, trainer.env.world_size
+    old_world = int(saved["world_size"])
+    old_config = saved.get("config") or {}
+    old_accumulation = int(old_config.get("accumulation_steps", config.accumulation_steps))
+    if config.keep_global_batch:
+        accumulation = global_batch_accumulation(old_accumulation, old_world, world)
+        trainer.config = dataclasses.replace(config, accumulation_steps=accumulation)
+        trainer.data.accumulation_steps = accumulation
+        trainer.window.tokens_per_step = tokens_per_step(trainer.config, trainer.env)
+    if old_world == world:
+        return
+    old_tokens = old_world * config.batch_size * old_accumulation * config.seq_length
+    log.warning(
+        "world size %d -> %d: tokens per step %d -> %d (world_size x micro-batch %d x "
+        "accumulation %d x seq_length %d); the schedule continues by optimizer step",
+        old_world, world, old_tokens, tokens_per_step(trainer.config, trainer.env),
+        config.batch_size, trainer.config.accumulation_steps, config.seq_length,
+    )  # fmt: skip
+
+
+def resume_resharded(trainer: Trainer, path: Path) -> None:
+    """Per-rank state from a checkpoint of another world size: the data positions of all old
+    ranks are re-split among the new ones (every document still trained once), ZeRO-1 and the
+    schedule were loaded by ``load_checkpoint``, the error-feedback residuals are dropped (with
+    a warning), and the RNGs are seeded from (seed, step, rank)."""
+    trainer.data.source.load_resharded(load_rank_states(path, "data"))
+    trainer.data.restored()
+    dropped = trainer.compression.load_resharded(load_rank_states(path, "compression", [0])[0])
+    if dropped:
+        log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
+    for name, obj in rank_state(trainer).items():
+        if name == "optimizer":  # the hyperparameters, the same on every old rank
+            obj.load_state_dict(load_rank_states(path, name, [0])[0])
+    seed_rng(f"{trainer.config.seed}:{trainer.step}:{trainer.env.rank}")

@@ -1,0 +1,143 @@
+"""Elastic training under torchrun (real agents on loopback, c10d rendezvous, gloo): two agents
+of one process each train with ZeRO-1; one agent is killed, and the other goes on alone at world
+size 1 from the last checkpoint; then a third agent joins, and the group restarts at world size 2.
+--keep-global-batch doubles the accumulation at world size 1 (which also keeps that phase long
+enough for the third agent to join before the end). The loss carries on across both changes (no
+fall back towards an untrained model), every step is logged once, and the run ends normally."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from distributed_harness import REPO, free_port, subprocess_env, torchrun_command
+
+STEPS = 40
+
+
+def _args(sample_data: Path, output_dir: Path) -> list[str]:
+    return [
+        "--config", str(REPO / "configs" / "tiny.toml"),
+        "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
+        "--tokenizer", str(sample_data / "tokenizer" / "mistral-7b-v0.1"),
+        "--data-files", str(sample_data / "c4" / "*train*.json.gz"),
+        "--eval-files", str(sample_data / "c4" / "*validation*.json.gz"),
+        "--output-dir", str(output_dir), "--seq-length", "32", "--batch-size", "2",
+        "--max-steps", str(STEPS), "--checkpoint-every", "2", "--log-every", "1",
+        "--eval-every", "0", "--eval-batches", "1", "--learning-rate", "1e-2",
+        "--warmup-steps", "2", "--zero1", "--threads", "1", "--keep-global-batch",
+    ]  # fmt: skip
+
+
+RDZV = (
+    "--max-restarts=3",
+    "--rdzv-id=elastic-test",
+    "--rdzv-conf=join_timeout=120,last_call_timeout=8,keep_alive_interval=1,"
+    "keep_alive_max_attempt=3",
+    "--monitor-interval=0.5",
+)
+"""Short rendezvous timeouts: a dead agent is dropped after 3 missed 1 s heartbeats; a round
+waits 8 s for more agents once one is there (so the second agent joins the first round)."""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _trained_after(log: str, marker: str) -> bool:
+    """Whether ``log`` shows a training step logged after the line holding ``marker``."""
+    at = log.find(marker)
+    return at >= 0 and re.search(r"\bstep \d+ \| loss", log[at:]) is not None
+
+
+def _losses(output_dir: Path) -> dict[int, float]:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) -> None:
+    port = free_port()
+    command = torchrun_command(_args(sample_data, tmp_path), 1, "1:2", port, RDZV)  # type: ignore[arg-type]
+    logs = [tmp_path / f"agent-{name}.log" for name in "abc"]
+    procs: list[subprocess.Popen] = []
+
+    def start(log: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=subprocess_env(), stdout=log.open("w"),
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        procs.append(proc)
+        return proc
+
+    try:
+        first = start(logs[0])
+        _wait_for(lambda: _listening(port), "the first agent's rendezvous store")
+        leaving = start(logs[1])  # the store lives in the first agent, which stays
+        _wait_for((tmp_path / "checkpoints" / "step-8" / "COMPLETE").is_file, "step 8")
+        _kill_tree(leaving)
+        text_a = logs[0].read_text
+        _wait_for(lambda: _trained_after(text_a(), "world size 2 -> 1"), "a step at world size 1")
+        joining = start(logs[2])
+        assert first.wait(timeout=240) == 0, text_a()[-4000:]
+        assert joining.wait(timeout=60) == 0, logs[2].read_text()[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    log_a = text_a()
+    assert "world size 2 -> 1: tokens per step 128 -> 128" in log_a, log_a[-4000:]
+    assert "world size 1 -> 2: tokens per step 128 -> 128" in log_a, log_a[-4000:]
+    assert "accumulation 2" in log_a and "accumulation 1" in log_a
+    losses = _losses(tmp_path)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log_a)]
+    assert len(resumed) >= 2, log_a[-4000:]
+    for step in resumed:
+        assert losses[step + 1] < losses[1] - 0.5, (step, losses)  # not an untrained model
+        assert abs(losses[step + 1] - losses[step]) < 1.0, (step, losses)
+    assert (tmp_path / "final_model" / "model.safetensors").is_file()
