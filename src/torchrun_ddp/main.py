@@ -52,7 +52,12 @@ from torchrun_ddp.checkpoint import (
 from torchrun_ddp.compression import (
     CompressionSettings,
     CompressionState,
+    DeMo,
+    DemoSettings,
+    LocalMomentum,
+    build_demo,
     register_compression,
+    register_local_gradients,
     validate_settings,
 )
 from torchrun_ddp.compression.plan import (
@@ -107,7 +112,7 @@ from torchrun_ddp.model import (
     trainable_parameter_sizes,
     wrap_ddp,
 )
-from torchrun_ddp.optimizer import build_optimizer, build_scheduler
+from torchrun_ddp.optimizer import build_optimizer, build_scheduler, parameter_groups
 from torchrun_ddp.training_data import (
     PackedWindows,
     build_loader,
@@ -269,6 +274,7 @@ def plan_settings(
         accumulation_steps=config.accumulation_steps,
         fused_adamw=config.adamw_implementation == "fused",
         adapter_sizes=adapter_sizes,
+        optimizer=config.optimizer,
     )
 
 
@@ -498,9 +504,12 @@ def build_ddp_model(
         config.ddp_static_graph,
     )
     node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
-    compression = register_compression(
-        ddp_model, compression_settings(config), node_groups=node_groups
-    )
+    if config.optimizer == "demo":  # DeMo exchanges momentum itself: DDP keeps gradients local
+        compression = register_local_gradients(ddp_model)
+    else:
+        compression = register_compression(
+            ddp_model, compression_settings(config), node_groups=node_groups
+        )
     if config.compile:
         compile_model(ddp_model)
     return model, ddp_model, compression
@@ -511,13 +520,20 @@ def build_trainer(
 ) -> Trainer:
     """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
     model, ddp_model, compression = build_ddp_model(config, device, inputs, env)
-    optimizer = build_optimizer(
-        model,
-        config.learning_rate,
-        config.weight_decay,
-        implementation=config.adamw_implementation,
-        zero1=config.zero1,
-    )
+    if config.optimizer == "demo":
+        demo = DemoSettings(
+            config.demo_beta, config.demo_topk, config.demo_tile_size, config.demo_value_dtype
+        )
+        groups = parameter_groups(model, config.weight_decay)
+        optimizer: Optimizer = build_demo(groups, config.learning_rate, demo, compression)
+    else:
+        optimizer = build_optimizer(
+            model,
+            config.learning_rate,
+            config.weight_decay,
+            implementation=config.adamw_implementation,
+            zero1=config.zero1,
+        )
     scheduler = build_scheduler(
         optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
     )
@@ -837,9 +853,10 @@ def checkpoint_root(config: TrainConfig) -> Path:
 
 
 def shared_state(trainer: Trainer) -> dict[str, Stateful]:
-    """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it),
-    learning-rate schedule."""
-    optimizer = None if trainer.config.zero1 else trainer.optimizer
+    """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it or it is
+    DeMo, whose momentum differs per rank), learning-rate schedule."""
+    per_rank = trainer.config.zero1 or trainer.config.optimizer == "demo"  # see rank_state
+    optimizer = None if per_rank else trainer.optimizer
     frozen_base = trainer.config.peft != "none"  # rebuilt from --model (and --seed) on resume
     return {
         "train": ModelAndOptimizer(trainer.model, optimizer, trainable_only=frozen_base),
@@ -848,10 +865,13 @@ def shared_state(trainer: Trainer) -> dict[str, Stateful]:
 
 
 def rank_state(trainer: Trainer) -> dict[str, Stateful]:
-    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard."""
+    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard,
+    DeMo momentum."""
     state: dict[str, Stateful] = {"data": trainer.windows, "compression": trainer.compression}
     if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
         state["optimizer"] = ShardedOptimizer(trainer.optimizer)
+    if isinstance(trainer.optimizer, DeMo):  # each rank's momentum is its own
+        state["optimizer"] = LocalMomentum(trainer.optimizer)
     return state
 
 
@@ -862,6 +882,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
         "model": model_fingerprint(trainer.model),
         "vocab_size": trainer.model.module.config.vocab_size,
         "compression": config.compression,
+        "optimizer": config.optimizer,
         "seq_length": config.seq_length,
         "zero1": config.zero1,
         "seed": config.seed,
