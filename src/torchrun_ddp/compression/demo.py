@@ -61,8 +61,9 @@ class DemoSettings:
     value_dtype: str = "bfloat16"
     """Dtype of the coefficient values on the wire: bfloat16 (default), float16 or float32."""
     sign: bool = True
-    """Take the sign of the decoded average (DeMo). False: step along the average itself (the
-    test of the decode: with ``topk`` = tile size it is SGD on the mean gradient)."""
+    """Take the sign of the decoded average (DeMo). False: step along the average itself,
+    ``p <- p - lr * mean(sent momentum)``; with ``topk`` = tile size that is SGD at learning rate
+    ``lr ** 2`` on the mean gradient (the momentum holds ``lr * g``): the test of the decode."""
 
 
 def validate_demo(settings: DemoSettings) -> None:
