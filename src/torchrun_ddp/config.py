@@ -99,7 +99,7 @@ class TrainConfig:
     batch_size: int = _opt(4, "Micro-batch size in windows per rank.")
     accumulation_steps: int = _opt(1, "Micro-batches accumulated per optimizer step.")
     # Optimisation
-    learning_rate: float = _opt(1e-5, "Peak learning rate (AdamW; DeMo: the sign step).")
+    learning_rate: float = _opt(1e-5, "Peak learning rate of AdamW (of DeMo's sign step).")
     weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to norms and biases).")
     warmup_steps: int = _opt(250, "Optimizer steps of linear warmup.")
     restart_every: int = _opt(
