@@ -178,9 +178,26 @@ def _training(rank: int, root: str) -> dict[str, object]:
     }
 
 
+def _bf16_momentum(rank: int) -> dict[str, object]:
+    """bf16 parameters: the momentum stays fp32 and survives a ``LocalMomentum`` round trip."""
+    params = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params(2)]
+    demo = DeMo(params, lr=0.01, settings=DemoSettings(topk=4))
+    for param, grad in zip(params, _grads(20, rank), strict=True):
+        param.grad = grad.bfloat16()
+    demo.step()
+    fresh = DeMo([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.5)
+    LocalMomentum(fresh).load_state_dict(LocalMomentum(demo).state_dict())
+    return {
+        "dtypes": {str(demo.state[p]["delta"].dtype) for p in params},
+        "restored": torch.equal(_momentum(fresh), _momentum(demo)),
+        "lr": fresh.param_groups[0]["lr"],
+    }
+
+
 def _worker(rank: int, world_size: int, root: str) -> dict[str, object]:
     assert world_size == WORLD and dist.get_world_size() == WORLD
     return {
+        "bf16": _bf16_momentum(rank),
         "sgd_gap": _full_topk_equals_sgd(rank),
         "identity": _transmitted_plus_kept(rank),
         "training": _training(rank, root),
@@ -219,6 +236,12 @@ def test_resume_is_bit_exact(ranks: list[dict]) -> None:
         training = result["training"]
         assert torch.equal(training["resumed"], training["final"])
         assert torch.equal(training["resumed_momentum"], training["momentum"])
+
+
+def test_momentum_is_fp32_for_bf16_parameters(ranks: list[dict]) -> None:
+    for result in ranks:
+        assert result["bf16"]["dtypes"] == {"torch.float32"}
+        assert result["bf16"]["restored"] and result["bf16"]["lr"] == 0.01
 
 
 def test_counted_bytes_match_the_payload_formula(ranks: list[dict]) -> None:

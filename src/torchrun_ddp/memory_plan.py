@@ -311,8 +311,8 @@ class PlanSettings:
     """LoRA: element counts of the adapter parameters, the only ones that train (fp32); empty
     for full fine-tuning. The base weights are then frozen: bf16, or fp32 under fp32."""
     optimizer: str = "adamw"
-    """``adamw`` (two moments per trained parameter) or ``demo`` (DeMo: one momentum, the
-    parameters' size and dtype, plus per-parameter transform buffers in its step)."""
+    """``adamw`` (two moments per trained parameter) or ``demo`` (DeMo: one fp32 momentum per
+    trained parameter, plus per-parameter transform buffers in its step)."""
 
     @property
     def lora(self) -> bool:
@@ -610,7 +610,7 @@ def plan_memory(
     is given); foreach AdamW's ``step()`` allocates one more moment-sized buffer (the square root
     of exp_avg_sq) over the rank's parameters. So fp32 DDP holds 20 B per parameter before
     activations (LLaMA-2-7B: 125.5 GiB), and peaks at 24 B in the optimizer step. Under
-    ``optimizer="demo"`` the state is DeMo's one momentum (4 B, bf16: 2 B; never sharded) and its
+    ``optimizer="demo"`` the state is DeMo's one fp32 momentum (4 B; never sharded) and its
     step temporaries are ``DEMO_STEP_COPIES`` fp32 copies of the largest parameter.
 
     The phases, with P = weights + buckets + optimizer state + overhead: end of forward = P +
@@ -647,7 +647,7 @@ def plan_memory(
         weights=parameters * size.weight,
         gradients=gradients,
         ddp_buckets=0 if settings.gradient_as_bucket_view else gradients,
-        optimizer_state=_moments(settings) * size.moment * shard,
+        optimizer_state=_state_bytes(settings, size.moment) * shard,
         optimizer_step_temporaries=_step_temporaries(
             settings, size.moment * shard, parameter_sizes or arch.parameter_sizes()
         ),
@@ -690,7 +690,7 @@ def _lora_plan(
         weights=parameters * base_bytes + 4 * trainable,
         gradients=4 * trainable,
         ddp_buckets=0 if settings.gradient_as_bucket_view else 4 * trainable,
-        optimizer_state=_moments(settings) * 4 * shard,
+        optimizer_state=_state_bytes(settings, 4) * shard,
         optimizer_step_temporaries=_step_temporaries(settings, 4 * shard, settings.adapter_sizes),
         autocast_weight_copies=copies,
         activations=activations.saved + activations.loss_backward,
@@ -710,9 +710,10 @@ DEMO_STEP_COPIES = 5
 the sent coefficients and their inverse, then the decode's sum, sender count and inverse."""
 
 
-def _moments(settings: PlanSettings) -> int:
-    """Optimizer state tensors per trained parameter: AdamW 2, DeMo 1."""
-    return 1 if settings.optimizer == "demo" else 2
+def _state_bytes(settings: PlanSettings, moment: int) -> int:
+    """Optimizer state bytes per trained parameter: AdamW two moments of ``moment`` bytes,
+    DeMo one fp32 momentum."""
+    return 4 if settings.optimizer == "demo" else 2 * moment
 
 
 def _step_temporaries(settings: PlanSettings, moment_bytes: int, sizes: Sequence[int]) -> int:

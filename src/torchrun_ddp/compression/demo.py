@@ -165,9 +165,10 @@ class DeMo(Optimizer):
     call it, in the same step. ``counter`` (e.g. ``CompressionState.count``) is told the bytes
     of that all-gather.
 
-    State per parameter: ``delta`` (the momentum, the parameter's shape and dtype), created
-    zero here, so ``state_dict`` is complete from the start (DCP's ``get_state_dict`` then never
-    runs a step to create state) and a checkpoint restores it exactly.
+    State per parameter: ``delta`` (the momentum, the parameter's shape, always fp32: in bf16,
+    ``0.999 * delta`` would round back to ``delta`` and small ``lr * g`` would round away),
+    created zero here, so ``state_dict`` is complete from the start (DCP's ``get_state_dict``
+    then never runs a step to create state) and a checkpoint restores it exactly.
 
     Raises ``ValueError`` for bad settings, and ``RuntimeError`` (from torch) without an
     initialised process group.
@@ -190,7 +191,7 @@ class DeMo(Optimizer):
         self.value_dtype = TOPK_VALUE_DTYPES[self.settings.value_dtype]
         self.codecs: dict[torch.Tensor, TileCodec] = {}
         for param in self._trained():
-            self.state[param]["delta"] = torch.zeros_like(param)
+            self.state[param]["delta"] = torch.zeros_like(param, dtype=torch.float32)
             self.codecs[param] = tile_codec(tuple(param.shape), self.settings)
 
     def _trained(self) -> list[torch.Tensor]:
@@ -237,11 +238,11 @@ class DeMo(Optimizer):
         if param.grad is not None:
             delta.add_(param.grad, alpha=lr)
         codec = self.codecs[param]
-        coeffs = codec.encode(delta.float())
+        coeffs = codec.encode(delta)
         positions = coeffs.abs().topk(codec.k, dim=1, sorted=False).indices
         values = coeffs.gather(1, positions).to(self.value_dtype)
         sent = torch.zeros_like(coeffs).scatter_(1, positions, values.float())
-        delta.sub_(codec.decode(sent).to(delta.dtype))
+        delta.sub_(codec.decode(sent))
         wire_positions = positions.to(codec.index_dtype)
         return torch.cat(
             [values.reshape(-1).view(torch.uint8), wire_positions.reshape(-1).view(torch.uint8)]
@@ -283,8 +284,9 @@ class LocalMomentum:
     DeMo's momentum differs between ranks (it is each rank's error feedback), so it must not go
     through DCP with the replicated model: DCP saves a replicated tensor from one rank only, and
     every rank would resume with rank 0's momentum. This saves each rank's own, with parameter
-    positions as string keys (JSON + tensors, nothing pickled); torch's
-    ``Optimizer.load_state_dict`` moves the tensors to the parameters' device and dtype.
+    positions (``Optimizer.state_dict``'s numbering, across groups in order) as string keys
+    (JSON + tensors, nothing pickled). Loading copies into the existing fp32 momentum rather
+    than through ``Optimizer.load_state_dict``, which would cast it to a bf16 parameter's dtype.
     """
 
     def __init__(self, optimizer: DeMo) -> None:
@@ -297,10 +299,22 @@ class LocalMomentum:
         return {"state": state, "param_groups": local["param_groups"]}
 
     def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
-        """Restore what ``state_dict`` returned on this rank (exactly: tensors are copied)."""
-        saved = cast(Mapping[str, Mapping[str, object]], state_dict["state"])
-        state = {int(index): dict(values) for index, values in saved.items()}
-        self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+        """Restore what ``state_dict`` returned on this rank, bit for bit (copied in place).
+
+        Raises ``ValueError`` when the saved groups do not match this optimizer's.
+        """
+        groups = cast(list[Mapping[str, object]], state_dict["param_groups"])
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"saved DeMo state has {len(groups)} parameter groups, not "
+                f"{len(self.optimizer.param_groups)}"
+            )
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        saved = cast(Mapping[str, Mapping[str, torch.Tensor]], state_dict["state"])
+        for index, values in saved.items():
+            self.optimizer.state[params[int(index)]]["delta"].copy_(values["delta"])
+        for group, saved_group in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
 
 
 def _local_hook(
