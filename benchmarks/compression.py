@@ -42,7 +42,8 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import matplotlib as mpl
@@ -109,6 +110,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--eval-batches", type=int, default=16, help="held-out micro-batches per rank")
     add("--seed", type=int, default=42, help="first seed of init, data order and dropout")
     add("--seeds", type=int, default=1, help="seeds per setting: --seed, --seed + 1, ...")
+    add(
+        "--tune-seed",
+        type=int,
+        default=-1,
+        help="if >= 0: run the lr grids at this seed only, then each method at its best lr "
+        "there at the --seeds (the frontier then uses those seeds alone)",
+    )
     add("--block-size", type=int, default=64, help="DCT block length for dct and dct-topk")
     add("--compression-start-step", type=int, default=0, help="dense steps before compressing")
     add("--no-error-feedback", action="store_true", help="turn dct/dct-topk error feedback off")
@@ -209,12 +217,30 @@ class Setting:
         """Every run, all seeds."""
         return [run for runs in self.runs.values() for run in runs]
 
+    def at(self, seeds: Iterable[int]) -> Setting:
+        """A copy holding only the runs of ``seeds``."""
+        keep = set(seeds)
+        return replace(self, runs={s: r for s, r in self.runs.items() if s in keep})
+
 
 def run_all(args: argparse.Namespace, settings: list[Setting], work: Path) -> None:
+    """Every setting at every seed; with ``--tune-seed``, the whole grid at that seed first,
+    then each method's best setting there at the ``--seeds``."""
+    if args.tune_seed < 0:
+        run_seeds(args, settings, range(args.seed, args.seed + args.seeds), work)
+        return
+    run_seeds(args, settings, [args.tune_seed], work)
+    chosen = best_settings(settings)
+    run_seeds(args, chosen, range(args.seed, args.seed + args.seeds), work)
+
+
+def run_seeds(
+    args: argparse.Namespace, settings: list[Setting], seeds: Iterable[int], work: Path
+) -> None:
     """Every setting at every seed ``--repeats`` times; seeds outermost, so a stop leaves whole
     seeds done, and settings interleaved, so slow spells of the machine hit all alike."""
     for repeat in range(args.repeats):
-        for seed in range(args.seed, args.seed + args.seeds):
+        for seed in seeds:
             for setting in settings:
                 began = time.monotonic()
                 run_dir = work / f"{setting.name}-s{seed}-r{repeat}"
@@ -301,10 +327,10 @@ class Point:
     change: tuple[float, float]
 
 
-def frontier(settings: list[Setting], reference: Setting | None, nproc: int) -> list[Point]:
-    """The best setting of every method with its bytes, step time and paired change."""
+def frontier(chosen: list[Setting], reference: Setting | None, nproc: int) -> list[Point]:
+    """Each chosen setting (one per method) with its bytes, step time and paired change."""
     points = []
-    for setting in best_settings(settings):
+    for setting in chosen:
         last = setting.all_runs()[-1]
         times = [t for run in setting.all_runs() for t in run.step_times[WARMUP_SKIP:]]
         points.append(
@@ -379,6 +405,8 @@ def footnote(args: argparse.Namespace) -> str:
     feedback = "off" if args.no_error_feedback else "on"
     model = args.model or "configs/llama-tiny/config.json (19.5M parameters)"
     seeds = ", ".join(str(seed) for seed in range(args.seed, args.seed + args.seeds))
+    if args.tune_seed >= 0:
+        seeds += f" (learning rates tuned at seed {args.tune_seed}, which the frontier leaves out)"
     eval_tokens = args.nproc * args.eval_batches * args.batch_size * args.seq_length
     return (
         f"Model {model}, {args.nproc} ranks (gloo, loopback, CPU), {args.steps} steps of "
@@ -392,8 +420,9 @@ def footnote(args: argparse.Namespace) -> str:
         f"{args.eval_batches} x {args.batch_size} windows of {args.seq_length}) of the C4 "
         "validation sample after the last step; the same windows for every run. Paired change: "
         "per seed 100 (L / L_dense - 1) against dense AdamW (`none`) at its best lr, then mean "
-        "+- standard error over seeds. Best lr: lowest mean eval loss over the same seeds "
-        "(every method gets the same number of grid points). Wire bytes: what rank 0 sends per "
+        "+- standard error over seeds. Best lr: lowest mean eval loss over the same seeds, "
+        "or at the tuning seed with --tune-seed (every optimizer gets the same number of grid "
+        "points). Wire bytes: what rank 0 sends per "
         "step under the ring model (all-reduce of S bytes: 2 (W - 1) / W x S; all-gather of p "
         f"bytes: (W - 1) x p), measured at W = {args.nproc} and computed for W = "
         f"{FRONTIER_WORLD} from the measured payload; ratio: dense fp32 ring all-reduce / "
@@ -439,12 +468,27 @@ def draw(points: list[Point], reference: Setting | None, path: Path) -> None:
     plt.close(figure)
 
 
+def dense_reference(settings: list[Setting]) -> Setting | None:
+    """Dense AdamW (``none``) at its best learning rate among ``settings``."""
+    dense = [s for s in settings if s.variant.name == "none" and s.runs]
+    return best_settings(dense)[0] if dense else None
+
+
 def report(args: argparse.Namespace, settings: list[Setting]) -> tuple[str, list[Point]]:
     """The grid and frontier tables, the footnote and the target checks."""
-    dense = [s for s in settings if s.variant.name == "none"]
-    reference = best_settings(dense)[0] if dense else None
-    points = frontier(settings, reference, args.nproc)
-    text = "Grid (every method at every learning rate):\n\n" + grid_table(settings, reference)
+    grid = [s for s in settings if s.runs]
+    chosen = best_settings(grid)
+    title = "Grid (every method at every learning rate):"
+    if args.tune_seed >= 0:
+        grid = [s.at([args.tune_seed]) for s in settings if args.tune_seed in s.runs]
+        picked = {(s.variant.name, s.lr) for s in best_settings(grid)}
+        seeds = range(args.seed, args.seed + args.seeds)
+        chosen = [s.at(seeds) for s in settings if (s.variant.name, s.lr) in picked]
+        chosen = [s for s in chosen if s.runs]
+        title = f"Grid at the tuning seed {args.tune_seed} (every method at every learning rate):"
+    reference = dense_reference(chosen)
+    points = frontier(chosen, reference, args.nproc)
+    text = f"{title}\n\n" + grid_table(grid, dense_reference(grid))
     text += "\n\nFrontier (each method at its best learning rate):\n\n"
     text += frontier_table(points, args.nproc) + "\n\n" + footnote(args) + "\n"
     targets = check_targets(points)
