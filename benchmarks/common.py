@@ -76,6 +76,18 @@ def _topk(k: int, block: int, values: str = "float32") -> Variant:
     return Variant(name, f"dct-topk k {k}, block {block}, {short} values", flags, "all_gather")
 
 
+def _demo(k: int) -> Variant:
+    """DeMo (``--optimizer demo``) sending the ``k`` largest DCT coefficients of every tile of
+    its momentum (tiles up to 64 x 64, bf16 values, int16/uint8 positions)."""
+    flags = ("--optimizer", "demo", "--demo-topk", str(k))
+    return Variant(f"demo-{k}", f"DeMo k {k}, tiles <= 64 x 64, bf16", flags, "all_gather")
+
+
+def optimizer_of(variant: Variant) -> str:
+    """``adamw`` or ``demo``: the ``--optimizer`` a variant trains with."""
+    return "demo" if "demo" in variant.flags else "adamw"
+
+
 def _powersgd(rank: int) -> Variant:
     """torch's PowerSGD at approximation rank ``rank``."""
     flags = ("--compression", "powersgd", "--powersgd-rank", str(rank))
@@ -109,6 +121,10 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _topk(2, block),
         _topk(8, block, "bfloat16"),
         _topk(4, block, "bfloat16"),
+        _demo(32),
+        _demo(16),
+        _demo(8),
+        _demo(4),
     ]
     return {variant.name: variant for variant in variants}
 
@@ -247,6 +263,17 @@ def ring_ratio(run: RunSummary, variant: Variant, measured: int, world: int) -> 
     if variant.collective == "all_gather":
         return 2 * dense / (world * run.comm_bytes_collective)
     return dense / run.comm_bytes_collective
+
+
+def wire_at(run: RunSummary, variant: Variant, world: int) -> float:
+    """Wire bytes per rank per step at ``world`` ranks (ring model) from a run's payload: an
+    all-reduce of c bytes sends 2 (W - 1) / W * c, an all-gather of p bytes per rank (W - 1) * p
+    (nan for the node-aware scope)."""
+    if variant.scope != "global" or not run.comm_bytes_collective:
+        return float("nan")
+    if variant.collective == "all_gather":
+        return (world - 1) * run.comm_bytes_collective
+    return 2 * (world - 1) / world * run.comm_bytes_collective
 
 
 def median_after(values: list[float], skip: int) -> float:

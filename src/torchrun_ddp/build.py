@@ -24,7 +24,14 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from torchrun_ddp.checkpoint import StartPlan, plan_start, verify_start
-from torchrun_ddp.compression import CompressionState, compression_settings, register_compression
+from torchrun_ddp.compression import (
+    CompressionState,
+    DemoSettings,
+    build_demo,
+    compression_settings,
+    register_compression,
+    register_local_gradients,
+)
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv, new_node_groups
 from torchrun_ddp.dry_run import check_fits
@@ -50,7 +57,7 @@ from torchrun_ddp.model import (
     trainable_parameter_sizes,
     wrap_ddp,
 )
-from torchrun_ddp.optimizer import build_optimizer, build_scheduler
+from torchrun_ddp.optimizer import build_optimizer, build_scheduler, parameter_groups
 from torchrun_ddp.training_data import (
     PackedWindows,
     build_train_loader,
@@ -214,12 +221,35 @@ def build_ddp_model(
         config.ddp_static_graph,
     )
     node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
-    compression = register_compression(
-        ddp_model, compression_settings(config), node_groups=node_groups
-    )
+    if config.optimizer == "demo":  # DeMo exchanges momentum itself: DDP keeps gradients local
+        compression = register_local_gradients(ddp_model)
+    else:
+        compression = register_compression(
+            ddp_model, compression_settings(config), node_groups=node_groups
+        )
     if config.compile:
         compile_model(ddp_model)
     return model, ddp_model, compression
+
+
+def build_trainer_optimizer(
+    config: TrainConfig, model: torch.nn.Module, compression: CompressionState
+) -> Optimizer:
+    """AdamW (``optimizer.build_optimizer``: fused/foreach, ZeRO-1), or DeMo (``compression.demo``,
+    which all-gathers its compressed momentum itself and counts the bytes in ``compression``)."""
+    if config.optimizer != "demo":
+        return build_optimizer(
+            model,
+            config.learning_rate,
+            config.weight_decay,
+            implementation=config.adamw_implementation,
+            zero1=config.zero1,
+        )
+    demo = DemoSettings(
+        config.demo_beta, config.demo_topk, config.demo_tile_size, config.demo_value_dtype
+    )
+    groups = parameter_groups(model, config.weight_decay)
+    return build_demo(groups, config.learning_rate, demo, compression)
 
 
 def flops_per_token(
@@ -311,13 +341,7 @@ def build_trainer(
 ) -> Trainer:
     """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
     model, ddp_model, compression = build_ddp_model(config, device, inputs, env)
-    optimizer = build_optimizer(
-        model,
-        config.learning_rate,
-        config.weight_decay,
-        implementation=config.adamw_implementation,
-        zero1=config.zero1,
-    )
+    optimizer = build_trainer_optimizer(config, model, compression)
     scheduler = build_scheduler(
         optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
     )

@@ -109,7 +109,7 @@ class TrainConfig:
         "do not divide. Off: the global batch follows the world size.",
     )
     # Optimisation
-    learning_rate: float = _opt(1e-5, "Peak learning rate of AdamW.")
+    learning_rate: float = _opt(1e-5, "Peak learning rate of AdamW (of DeMo's sign step).")
     weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to norms and biases).")
     warmup_steps: int = _opt(250, "Optimizer steps of linear warmup.")
     restart_every: int = _opt(
@@ -122,6 +122,24 @@ class TrainConfig:
         "AdamW kernel: fused (one kernel, fastest on CPU and CUDA), foreach (multi-tensor) or "
         "for-loop (torch's reference); all compute the same update.",
         choices=["fused", "foreach", "for-loop"],
+    )
+    optimizer: str = _opt(
+        "adamw",
+        "adamw: AdamW on the gradients DDP averages (through --compression); demo: DeMo (Peng et "
+        "al. 2024): momentum on local gradients, top-k DCT coefficients per tile all-gathered, "
+        "sign step (--learning-rate is then the sign step's size; needs --compression none and no "
+        "--zero1).",
+        choices=["adamw", "demo"],
+    )
+    demo_topk: int = _opt(32, "--optimizer demo: DCT coefficients sent per tile (paper: 32).")
+    demo_tile_size: int = _opt(
+        64, "--optimizer demo: largest tile side; each is the largest divisor <= this."
+    )
+    demo_beta: float = _opt(0.999, "--optimizer demo: momentum decay in [0, 1) (paper: 0.999).")
+    demo_value_dtype: str = _opt(
+        "bfloat16",
+        "--optimizer demo: dtype of the coefficient values sent (indices: uint8/int16).",
+        choices=["bfloat16", "float16", "float32"],
     )
     max_grad_norm: float = _opt(1.0, "Gradient clipping threshold (global L2 norm).")
     epochs: int = _opt(1, "Passes over the training data.")
@@ -423,10 +441,33 @@ def _validate_combinations(config: TrainConfig) -> None:
     if config.min_lr > config.learning_rate:
         raise UserError("--min-lr must not exceed --learning-rate")
     _validate_lora(config)
+    _validate_demo(config)
     if config.ddp_static_graph and config.accumulation_steps > 1:
         raise UserError(
             "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "
             "crashes under no_sync with a static graph, pytorch/pytorch#143580); drop one of them"
+        )
+
+
+def _validate_demo(config: TrainConfig) -> None:
+    """Reject DeMo hyperparameters out of range (whatever --optimizer is) and settings DeMo
+    cannot run with."""
+    if config.demo_topk < 1 or config.demo_tile_size < 2 or not 0.0 <= config.demo_beta < 1.0:
+        raise UserError(
+            f"--demo-topk must be >= 1, --demo-tile-size >= 2 and --demo-beta in [0, 1), got "
+            f"{config.demo_topk}, {config.demo_tile_size} and {config.demo_beta}"
+        )
+    if config.optimizer != "demo":
+        return
+    if config.compression != "none":
+        raise UserError(
+            f"--optimizer demo compresses its own momentum and cannot run on top of "
+            f"--compression {config.compression}; use --compression none"
+        )
+    if config.zero1:
+        raise UserError(
+            "--optimizer demo does not work with --zero1 (ZeRO-1 shards AdamW's state; DeMo's "
+            "momentum is per-rank error feedback); drop --zero1"
         )
 
 

@@ -63,6 +63,7 @@ def plan_settings(
         accumulation_steps=config.accumulation_steps,
         fused_adamw=config.adamw_implementation == "fused",
         adapter_sizes=adapter_sizes,
+        optimizer=config.optimizer,
     )
 
 

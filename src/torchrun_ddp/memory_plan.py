@@ -314,6 +314,9 @@ class PlanSettings:
     adapter_sizes: tuple[int, ...] = ()
     """LoRA: element counts of the adapter parameters, the only ones that train (fp32); empty
     for full fine-tuning. The base weights are then frozen: bf16, or fp32 under fp32."""
+    optimizer: str = "adamw"
+    """``adamw`` (two moments per trained parameter) or ``demo`` (DeMo: one fp32 momentum per
+    trained parameter, plus per-parameter transform buffers in its step)."""
 
     @property
     def lora(self) -> bool:
@@ -344,6 +347,7 @@ class PlanSettings:
         parts += ["checkpointing"] if self.activation_checkpointing else []
         parts += ["grad bucket view"] if self.gradient_as_bucket_view else []
         parts += ["LoRA"] if self.lora else []
+        parts += ["DeMo"] if self.optimizer == "demo" else []
         return (
             f"{' + '.join(parts)}, {self.world_size} x {self.device_memory_gib:g} GiB, "
             f"micro-batch {self.micro_batch} x {self.seq_length} tokens"
@@ -560,6 +564,9 @@ class MemoryPlan:
             " (the gradients are views into them)" if self.settings.gradient_as_bucket_view else ""
         )
         kernel = "fused" if self.settings.fused_adamw else "foreach"
+        state, step = "AdamW moments", f"{kernel} AdamW"
+        if self.settings.optimizer == "demo":
+            state, step = "DeMo momentum", "DeMo tile transforms, largest parameter"
         weights, trained = "weights", ""
         if self.settings.lora:
             base = "fp32" if self.settings.precision == "fp32" else "bf16"
@@ -568,8 +575,8 @@ class MemoryPlan:
             (weights, self.weights),
             (f"gradients{trained}", self.gradients),
             (f"DDP buckets (about {buckets} of {cap:g} MiB{views})", self.ddp_buckets),
-            (f"optimizer state (AdamW moments{trained})", self.optimizer_state),
-            (f"optimizer step temporaries ({kernel} AdamW)", self.optimizer_step_temporaries),
+            (f"optimizer state ({state}{trained})", self.optimizer_state),
+            (f"optimizer step temporaries ({step})", self.optimizer_step_temporaries),
             ("activations (per micro-batch, with the loss)", self.activations),
             ("autocast bf16 weight copies", self.autocast_weight_copies),
             ("compression state (error-feedback residuals)", self.compression_state),
@@ -606,7 +613,9 @@ def plan_memory(
     under zero1 (the busiest rank of ZeroRedundancyOptimizer's partition when ``parameter_sizes``
     is given); foreach AdamW's ``step()`` allocates one more moment-sized buffer (the square root
     of exp_avg_sq) over the rank's parameters. So fp32 DDP holds 20 B per parameter before
-    activations (LLaMA-2-7B: 125.5 GiB), and peaks at 24 B in the optimizer step.
+    activations (LLaMA-2-7B: 125.5 GiB), and peaks at 24 B in the optimizer step. Under
+    ``optimizer="demo"`` the state is DeMo's one fp32 momentum (4 B; never sharded) and its
+    step temporaries are ``DEMO_STEP_COPIES`` fp32 copies of the largest parameter.
 
     The phases, with P = weights + buckets + optimizer state + overhead: end of forward = P +
     saved activations + forward logits + autocast copies; start of backward = P + saved
@@ -642,8 +651,10 @@ def plan_memory(
         weights=parameters * size.weight,
         gradients=gradients,
         ddp_buckets=0 if settings.gradient_as_bucket_view else gradients,
-        optimizer_state=2 * size.moment * shard,
-        optimizer_step_temporaries=0 if settings.fused_adamw else size.moment * shard,
+        optimizer_state=_state_bytes(settings, size.moment) * shard,
+        optimizer_step_temporaries=_step_temporaries(
+            settings, size.moment * shard, parameter_sizes or arch.parameter_sizes()
+        ),
         autocast_weight_copies=copies_forward,
         activations=activations.saved + activations.loss_backward,
         overhead=int(settings.overhead_gib * GIB),
@@ -683,8 +694,8 @@ def _lora_plan(
         weights=parameters * base_bytes + 4 * trainable,
         gradients=4 * trainable,
         ddp_buckets=0 if settings.gradient_as_bucket_view else 4 * trainable,
-        optimizer_state=2 * 4 * shard,
-        optimizer_step_temporaries=0 if settings.fused_adamw else 4 * shard,
+        optimizer_state=_state_bytes(settings, 4) * shard,
+        optimizer_step_temporaries=_step_temporaries(settings, 4 * shard, settings.adapter_sizes),
         autocast_weight_copies=copies,
         activations=activations.saved + activations.loss_backward,
         overhead=int(settings.overhead_gib * GIB),
@@ -696,6 +707,26 @@ def _lora_plan(
         approximate=("activations",) if arch.exact else ("activations", "autocast"),
     )
     return replace(plan, phases=_phases(plan, activations, copies))
+
+
+DEMO_STEP_COPIES = 5
+"""fp32 copies of one parameter alive at once in DeMo's step: its momentum's DCT coefficients,
+the sent coefficients and their inverse, then the decode's sum, sender count and inverse."""
+
+
+def _state_bytes(settings: PlanSettings, moment: int) -> int:
+    """Optimizer state bytes per trained parameter: AdamW two moments of ``moment`` bytes,
+    DeMo one fp32 momentum."""
+    return 4 if settings.optimizer == "demo" else 2 * moment
+
+
+def _step_temporaries(settings: PlanSettings, moment_bytes: int, sizes: Sequence[int]) -> int:
+    """Bytes the optimizer step allocates: fused AdamW none, foreach AdamW one moment-sized
+    buffer (``moment_bytes``), DeMo ``DEMO_STEP_COPIES`` fp32 copies of the largest parameter
+    (it works one parameter at a time)."""
+    if settings.optimizer == "demo":
+        return DEMO_STEP_COPIES * 4 * max(sizes, default=0)
+    return 0 if settings.fused_adamw else moment_bytes
 
 
 def _phases(plan: MemoryPlan, act: ActivationEstimate, copies_backward: int) -> dict[str, int]:
@@ -719,7 +750,7 @@ _FLAGS: dict[str, Callable[[PlanSettings], PlanSettings | None]] = {
         replace(s, precision="bf16-mixed") if s.precision == "fp32" else None
     ),
     "--precision bf16": lambda s: replace(s, precision="bf16") if s.precision != "bf16" else None,
-    "--zero1": lambda s: None if s.zero1 else replace(s, zero1=True),
+    "--zero1": lambda s: None if s.zero1 or s.optimizer == "demo" else replace(s, zero1=True),
     "--activation-checkpointing": lambda s: (
         None if s.activation_checkpointing else replace(s, activation_checkpointing=True)
     ),

@@ -31,6 +31,7 @@ from torchrun_ddp.checkpoint import (
     save_checkpoint,
     seed_rng,
 )
+from torchrun_ddp.compression import DeMo, LocalMomentum
 from torchrun_ddp.config import global_batch_accumulation
 from torchrun_ddp.model import lora_settings
 from torchrun_ddp.training_data import DATA_ORDER
@@ -41,7 +42,8 @@ log = logging.getLogger("torchrun_ddp")
 def shared_state(trainer: Trainer) -> dict[str, Stateful]:
     """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it),
     learning-rate schedule."""
-    optimizer = None if trainer.config.zero1 else trainer.optimizer
+    per_rank = trainer.config.zero1 or trainer.config.optimizer == "demo"  # see rank_state
+    optimizer = None if per_rank else trainer.optimizer
     frozen_base = trainer.config.peft != "none"  # rebuilt from --model (and --seed) on resume
     return {
         "train": ModelAndOptimizer(trainer.model, optimizer, trainable_only=frozen_base),
@@ -54,6 +56,8 @@ def rank_state(trainer: Trainer) -> dict[str, Stateful]:
     state: dict[str, Stateful] = {"data": trainer.data, "compression": trainer.compression}
     if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
         state["optimizer"] = ShardedOptimizer(trainer.optimizer, trainer.model)
+    if isinstance(trainer.optimizer, DeMo):  # each rank's momentum is its own
+        state["optimizer"] = LocalMomentum(trainer.optimizer)
     return state
 
 
@@ -71,6 +75,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
         "model": model_fingerprint(trainer.model),
         "vocab_size": trainer.model.module.config.vocab_size,
         "compression": config.compression,
+        "optimizer": config.optimizer,
         "seq_length": config.seq_length,
         "zero1": config.zero1,
         "seed": config.seed,
@@ -161,7 +166,10 @@ def resume_resharded(trainer: Trainer, path: Path) -> None:
     dropped = trainer.compression.load_resharded(load_rank_states(path, "compression", [0])[0])
     if dropped:
         log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
-    for name, obj in rank_state(trainer).items():
-        if name == "optimizer":  # the hyperparameters, the same on every old rank
-            obj.load_state_dict(load_rank_states(path, name, [0])[0])
+    if isinstance(trainer.optimizer, DeMo):  # per-rank momentum: W' ranks cannot share W's
+        log.warning("DeMo momentum saved at another world size is reset to zero")
+    elif isinstance(trainer.optimizer, ZeroRedundancyOptimizer):  # hyperparameters, as rank 0's
+        ShardedOptimizer(trainer.optimizer, trainer.model).load_state_dict(
+            load_rank_states(path, "optimizer", [0])[0]
+        )
     seed_rng(f"{trainer.config.seed}:{trainer.step}:{trainer.env.rank}")

@@ -1,10 +1,20 @@
 """Gradient compression for DDP: settings, DCT transform, comm hooks, per-rank state, wire bytes.
 
-``settings`` (methods and their parameters), ``transform`` (DCT-II basis, block layout), ``hooks``
-(one comm hook per method, :func:`register_compression`), ``state`` (error feedback, PowerSGD
-memories, ``state_dict``/``load_state_dict``), ``wire`` (bytes on the wire).
+``settings`` (methods and their parameters), ``transform`` (DCT-II basis, block layout, DeMo
+tiles), ``hooks`` (one comm hook per method, :func:`register_compression`), ``state`` (error
+feedback, PowerSGD memories, ``state_dict``/``load_state_dict``), ``wire`` (bytes on the wire),
+``demo`` (the DeMo optimizer, which compresses momentum and runs its own all-gather, and the comm
+hook that leaves DDP's gradients local for it).
 """
 
+from torchrun_ddp.compression.demo import (
+    DeMo,
+    DemoSettings,
+    LocalMomentum,
+    build_demo,
+    register_local_gradients,
+    validate_demo,
+)
 from torchrun_ddp.compression.hooks import compression_hook, register_compression
 from torchrun_ddp.compression.settings import (
     METHODS,
@@ -25,9 +35,11 @@ from torchrun_ddp.compression.transform import (
     dct_basis,
     index_dtype,
     kept_frequencies,
+    tile_shape,
 )
 from torchrun_ddp.compression.wire import (
     dct_payload_bytes,
+    demo_payload_bytes,
     dense_wire_bytes,
     topk_break_even_world_size,
     topk_payload_bytes,
@@ -43,12 +55,17 @@ __all__ = [
     "BlockLayout",
     "CompressionSettings",
     "CompressionState",
+    "DeMo",
+    "DemoSettings",
+    "LocalMomentum",
     "StepBytes",
     "block_layout",
+    "build_demo",
     "compression_hook",
     "compression_settings",
     "dct_basis",
     "dct_payload_bytes",
+    "demo_payload_bytes",
     "dense_wire_bytes",
     "index_dtype",
     "keeps_residual",
@@ -56,8 +73,11 @@ __all__ = [
     "kept_frequencies",
     "powersgd_slices",
     "register_compression",
+    "register_local_gradients",
+    "tile_shape",
     "topk_break_even_world_size",
     "topk_payload_bytes",
+    "validate_demo",
     "validate_settings",
     "wire_bytes",
 ]

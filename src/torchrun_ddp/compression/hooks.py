@@ -22,9 +22,13 @@ module provides one hook, :func:`compression_hook`, that dispatches on
     every rank, are all-reduced in ``topk_value_dtype``: the lowest frequencies, like the
     low-pass quantisation of JPEG (Wallace 1991), or a selection rotating with the step.
 ``dct-topk``
-    Per block the ``topk`` largest-magnitude DCT coefficients are exchanged as (value, index)
-    pairs with an all-gather, as in DeMo (Peng, Quesnelle & Kingma 2024, "DeMo: Decoupled
-    Momentum Optimization", arXiv:2411.19870).
+    Top-k sparsification of the gradient (Aji & Heafield 2017, "Sparse Communication for
+    Distributed Gradient Descent"; with error feedback as in Stich et al. 2018, "Sparsified SGD
+    with Memory") applied to 1-D DCT coefficients: per block the ``topk`` largest-magnitude
+    coefficients of the gradient (plus residual) are exchanged as (value, index) pairs with an
+    all-gather, and the average feeds AdamW. This is *not* DeMo: DeMo (``compression.demo``,
+    ``--optimizer demo``) compresses a decaying momentum in 2-D tiles, not the gradient, and
+    takes a sign step instead of AdamW's.
 ``powersgd``
     torch's ``powerSGD_hook`` (Vogels, Karimireddy & Jaggi 2019, "PowerSGD: Practical Low-Rank
     Gradient Compression for Distributed Optimization", arXiv:1905.13727), made safe on gloo.
@@ -277,7 +281,8 @@ def _unpack_topk(
 def _topk_hook(
     state: CompressionState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DeMo-style: all-gather the ``topk`` largest DCT coefficients per block as (value, index).
+    """Top-k of the gradient's DCT: all-gather the ``topk`` largest coefficients per block as
+    (value, index) pairs (not DeMo; see the module docstring).
 
     Every rank scatter-adds all ranks' pairs in rank order, divides by the world size and inverts
     the DCT, so all ranks compute bit-identical results. Values and indices travel in one uint8

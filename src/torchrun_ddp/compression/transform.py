@@ -104,3 +104,24 @@ def kept_frequencies(
     if selection == "low-pass":
         return offsets
     return (offsets + step * kept) % block_size
+
+
+def largest_divisor(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is at most ``limit`` (1 when ``n`` is a prime above
+    it). DeMo's tile side (``_get_smaller_split`` in bloc97/DeMo): tiles cover a dimension
+    exactly, so no padding is ever transmitted."""
+    for side in range(min(n, limit), 0, -1):
+        if n % side == 0:
+            return side
+    return 1
+
+
+def tile_shape(shape: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """DeMo's DCT tile for a parameter of ``shape``: ``(r, c)`` for a matrix [R, C], each side the
+    largest divisor of R (of C) at most ``limit``; ``(c,)`` for a vector [N]. Tensors with more
+    than two dimensions are treated as the matrix [prod(shape[:-1]), shape[-1]] (a mixture of
+    experts' 3-D weights), a scalar as a vector of one."""
+    if len(shape) <= 1:
+        return (largest_divisor(max(1, math.prod(shape)), limit),)
+    rows = math.prod(shape[:-1])
+    return (largest_divisor(rows, limit), largest_divisor(shape[-1], limit))

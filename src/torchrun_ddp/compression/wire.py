@@ -13,9 +13,12 @@ all-gather of a per-rank payload ``p`` grows with ``G``: it beats a dense fp32 a
 bytes only while ``G < 2 S / p``.
 """
 
+import math
+from collections.abc import Iterable
+
 import torch
 
-from torchrun_ddp.compression.transform import index_dtype
+from torchrun_ddp.compression.transform import index_dtype, tile_shape
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -62,3 +65,36 @@ def topk_break_even_world_size(topk: int, block_size: int, value_dtype: torch.dt
     """
     pair = topk_payload_bytes(1, topk, block_size, value_dtype) / topk
     return 8.0 * block_size / (topk * pair)
+
+
+def demo_tile_payload(shape: tuple[int, ...], topk: int, tile: int) -> tuple[int, int, int]:
+    """DeMo's message for one parameter of ``shape``: ``(n_tiles, k, index_bytes)``.
+
+    Tiles come from :func:`tile_shape`; ``k = min(topk, tile elements)`` coefficients of every
+    tile are sent, each with its position in the tile as :func:`index_dtype` of the tile's
+    element count (uint8 up to 256 elements, int16 up to 32768: a 64 x 64 tile needs int16).
+    """
+    sides = tile_shape(shape, tile)
+    tile_numel = math.prod(sides)
+    n_tiles = max(1, math.prod(shape)) // tile_numel
+    width = torch.empty(0, dtype=index_dtype(tile_numel)).element_size()
+    return n_tiles, min(topk, tile_numel), width
+
+
+def demo_payload_bytes(
+    shapes: Iterable[tuple[int, ...]], topk: int, tile: int, value_dtype: torch.dtype
+) -> int:
+    """Bytes one rank hands to DeMo's all-gather per optimizer step (its own part).
+
+    ``sum over parameters of n_tiles * k * (value bytes + index bytes)``
+    (:func:`demo_tile_payload`); wire bytes at ``W`` ranks are ``(W - 1)`` times this
+    (:func:`wire_bytes` of ``all_gather``). Example: a 4096 x 4096 matrix in 64 x 64 tiles with
+    ``k = 32`` and bf16 values sends 4096 tiles x 32 x (2 + 2) bytes = 512 KiB, 1/128 of its
+    fp32 size.
+    """
+    value = torch.empty(0, dtype=value_dtype).element_size()
+    total = 0
+    for shape in shapes:
+        n_tiles, k, width = demo_tile_payload(tuple(shape), topk, tile)
+        total += n_tiles * k * (value + width)
+    return total

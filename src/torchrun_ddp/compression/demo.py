@@ -1,0 +1,361 @@
+"""DeMo: decoupled momentum optimization, an optimizer that does its own communication.
+
+Peng, Quesnelle & Kingma 2024, "DeMo: Decoupled Momentum Optimization", arXiv:2411.19870
+(reference code: ``demo.py`` in github.com/bloc97/DeMo). Per parameter and optimizer step, on
+every rank, with learning rate ``lr`` and the rank's own (not averaged) gradient ``g``:
+
+1. momentum doubles as error feedback: ``delta <- beta * delta + lr * g`` (``beta = 0.999``);
+2. ``delta`` is cut into tiles (a matrix [R, C] into ``r x c`` tiles, each side the largest
+   divisor of R, of C, at most ``tile``; a vector into 1-D chunks) and each tile goes through
+   the orthonormal 2-D (1-D) DCT-II;
+3. the ``topk`` largest-magnitude coefficients of every tile are this rank's message: their
+   values (rounded to ``value_dtype``) and positions in the tile; what the message carries is
+   subtracted from ``delta`` (so ``delta`` keeps exactly what was not sent, rounding included);
+4. one all-gather per step carries every parameter's message (values, then uint8/int16
+   positions, as one uint8 payload per rank);
+5. every rank decodes all ranks' messages the same way: each coefficient is averaged over the
+   ranks that sent it, the tiles are inverse-transformed and the sign is taken;
+6. the update is signSGD with decoupled weight decay: ``p <- p * (1 - lr * wd) - lr * sign(.)``.
+
+Why DDP still wraps the model but does not reduce: the forward and backward keep going through
+``DistributedDataParallel`` (parameter and buffer broadcast at construction, ``no_sync``
+for gradient accumulation, the same loop as AdamW), but DeMo needs each rank's *local*
+gradient, and its exchange is a sparse all-gather of momentum, not an all-reduce of gradients.
+:func:`register_local_gradients` therefore registers a comm hook that returns every bucket
+unreduced (no communication), and :class:`DeMo` schedules its own collective in ``step()``, the
+way modded-nanogpt's optimizers issue their own collectives. Turning DDP's all-reduce off with
+``no_sync`` on every micro-batch would do the same, but would change the training loop; a hook is
+one line where the model is built and keeps the loop optimizer-agnostic.
+
+Determinism: every rank decodes the same gathered bytes with the same operations in rank order
+(a scatter-add per rank, no index repeats within one rank's tile), so the parameters stay
+bit-identical on all ranks; ``delta`` differs between ranks (it is local state).
+"""
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from torchrun_ddp.compression.settings import TOPK_VALUE_DTYPES, CompressionSettings
+from torchrun_ddp.compression.state import CompressionState
+from torchrun_ddp.compression.transform import dct_basis, index_dtype, tile_shape
+from torchrun_ddp.compression.wire import dense_wire_bytes
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """DeMo's hyperparameters (defaults: the paper's). Checked by :func:`validate_demo`."""
+
+    beta: float = 0.999
+    """Momentum decay of ``delta <- beta * delta + lr * g``, 0 <= beta < 1."""
+    topk: int = 32
+    """Coefficients sent per tile (at most the tile's element count; 32 of 4096 in the paper)."""
+    tile: int = 64
+    """Largest tile side: each side is the largest divisor of its dimension at most this."""
+    value_dtype: str = "bfloat16"
+    """Dtype of the coefficient values on the wire: bfloat16 (default), float16 or float32."""
+    sign: bool = True
+    """Take the sign of the decoded average (DeMo). False: step along the average itself,
+    ``p <- p - lr * mean(sent momentum)``; with ``topk`` = tile size that is SGD at learning rate
+    ``lr ** 2`` on the mean gradient (the momentum holds ``lr * g``): the test of the decode."""
+
+
+def validate_demo(settings: DemoSettings) -> None:
+    """Raise ``ValueError`` with a one-line message naming the bad field and the fix."""
+    if not 0.0 <= settings.beta < 1.0:
+        raise ValueError(f"DeMo beta must be in [0, 1), got {settings.beta}; the paper uses 0.999")
+    if settings.topk < 1:
+        raise ValueError(f"DeMo topk must be >= 1, got {settings.topk}; the paper uses 32")
+    if settings.tile < 2:
+        raise ValueError(f"DeMo tile size must be >= 2, got {settings.tile}; the paper uses 64")
+    if settings.value_dtype not in TOPK_VALUE_DTYPES:
+        raise ValueError(
+            f"unknown DeMo value dtype {settings.value_dtype!r}; "
+            f"use one of {', '.join(TOPK_VALUE_DTYPES)}"
+        )
+
+
+@dataclass(frozen=True)
+class TileCodec:
+    """How one parameter maps onto DeMo's DCT tiles, and the transform both ways.
+
+    ``shape``: the parameter's; ``sides``: its tile, ``(r, c)`` or ``(c,)`` (:func:`tile_shape`);
+    ``k``: coefficients sent per tile. Coefficients are [n_tiles, tile_numel] fp32, tiles in
+    row-major order of the tile grid, coefficients row-major inside a tile.
+    """
+
+    shape: tuple[int, ...]
+    sides: tuple[int, ...]
+    k: int
+
+    @property
+    def tile_numel(self) -> int:
+        """Elements per tile."""
+        return math.prod(self.sides)
+
+    @property
+    def n_tiles(self) -> int:
+        """Tiles of the parameter."""
+        return max(1, math.prod(self.shape)) // self.tile_numel
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        """Dtype of a position inside a tile on the wire (uint8 up to 256 elements, else int16)."""
+        return index_dtype(self.tile_numel)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Tiles of ``x`` (the parameter's shape, fp32) -> DCT coefficients [n_tiles, tile_numel].
+
+        A 2-D tile ``X`` [r, c] becomes ``D_r X D_c^T`` with the orthonormal DCT-II matrices.
+        """
+        if len(self.sides) == 1:
+            (c,) = self.sides
+            return x.reshape(-1, c) @ dct_basis(c, x.device).T
+        r, c = self.sides
+        cols = self.shape[-1]
+        tiles = x.reshape(-1, r, cols // c, c).transpose(1, 2)
+        coeffs = dct_basis(r, x.device) @ tiles @ dct_basis(c, x.device).T
+        return coeffs.reshape(self.n_tiles, self.tile_numel)
+
+    def decode(self, coeffs: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`encode`: [n_tiles, tile_numel] fp32 -> the parameter's shape."""
+        if len(self.sides) == 1:
+            (c,) = self.sides
+            return (coeffs @ dct_basis(c, coeffs.device)).reshape(self.shape)
+        r, c = self.sides
+        cols = self.shape[-1]
+        tiles = coeffs.reshape(-1, cols // c, r, c)
+        values = dct_basis(r, coeffs.device).T @ tiles @ dct_basis(c, coeffs.device)
+        return values.transpose(1, 2).reshape(self.shape)
+
+    @property
+    def value_count(self) -> int:
+        """Coefficients this parameter sends per step: ``n_tiles * k``."""
+        return self.n_tiles * self.k
+
+
+def tile_codec(shape: tuple[int, ...], settings: DemoSettings) -> TileCodec:
+    """The codec of a parameter of ``shape`` under ``settings``."""
+    sides = tile_shape(shape, settings.tile)
+    return TileCodec(tuple(shape), sides, min(settings.topk, math.prod(sides)))
+
+
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+Counter = Callable[[str, int, dist.ProcessGroup | None], None]
+"""``CompressionState.count``: records one collective's input bytes for the metrics."""
+
+
+class DeMo(Optimizer):
+    """DeMo (see the module docstring) as a ``torch.optim.Optimizer``.
+
+    ``params``: parameters or parameter groups (each may set ``lr`` and ``weight_decay``;
+    ``optimizer.parameter_groups`` puts norms and biases in a group without decay). ``step()``
+    reads each parameter's *local* gradient (same dtype and shape as the parameter; a missing
+    gradient counts as zero), exchanges one all-gather with the other ranks of
+    ``process_group`` and updates the parameters in place. It is a collective: every rank must
+    call it, in the same step. ``counter`` (e.g. ``CompressionState.count``) is told the bytes
+    of that all-gather.
+
+    State per parameter: ``delta`` (the momentum, the parameter's shape, always fp32: in bf16,
+    ``0.999 * delta`` would round back to ``delta`` and small ``lr * g`` would round away),
+    created zero here, so ``state_dict`` is complete from the start (DCP's ``get_state_dict``
+    then never runs a step to create state) and a checkpoint restores it exactly.
+
+    Raises ``ValueError`` for bad settings, and ``RuntimeError`` (from torch) without an
+    initialised process group.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, object]],
+        lr: float,
+        settings: DemoSettings | None = None,
+        weight_decay: float = 0.0,
+        process_group: dist.ProcessGroup | None = None,
+        counter: Counter | None = None,
+    ) -> None:
+        self.settings = settings or DemoSettings()
+        validate_demo(self.settings)
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+        self.process_group = process_group
+        self.counter = counter
+        self.value_dtype = TOPK_VALUE_DTYPES[self.settings.value_dtype]
+        self.codecs: dict[torch.Tensor, TileCodec] = {}
+        for param in self._trained():
+            self.state[param]["delta"] = torch.zeros_like(param, dtype=torch.float32)
+            self.codecs[param] = tile_codec(tuple(param.shape), self.settings)
+
+    def _trained(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def payload_bytes(self) -> int:
+        """Bytes of this rank's all-gather payload per step (see ``wire.demo_payload_bytes``)."""
+        per_value = _nbytes(self.value_dtype)
+        return sum(
+            codec.value_count * (per_value + _nbytes(codec.index_dtype))
+            for codec in self.codecs.values()
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One DeMo step over all parameters (collective); returns ``closure()``'s loss if any."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        trained = [(p, group) for group in self.param_groups for p in group["params"]]
+        trained = [(p, group) for p, group in trained if p.requires_grad]
+        messages = [self._compress(p, float(group["lr"])) for p, group in trained]
+        if not messages:
+            return loss
+        gathered = self._all_gather(torch.cat(messages))
+        offset = 0
+        for (param, group), message in zip(trained, messages, strict=True):
+            rows = gathered[:, offset : offset + message.numel()]
+            offset += message.numel()
+            direction = self._decode(self.codecs[param], rows)
+            lr, decay = float(group["lr"]), float(group["weight_decay"])
+            if decay:
+                param.mul_(1.0 - lr * decay)
+            param.add_(direction.to(param.dtype), alpha=-lr)
+        return loss
+
+    def _compress(self, param: torch.Tensor, lr: float) -> torch.Tensor:
+        """Momentum update, top-k per tile, subtraction of what is sent; the message as uint8:
+        ``n_tiles * k`` values of ``value_dtype``, then as many positions of the codec's index
+        dtype."""
+        delta = self.state[param]["delta"]
+        delta.mul_(self.settings.beta)
+        if param.grad is not None:
+            delta.add_(param.grad, alpha=lr)
+        codec = self.codecs[param]
+        coeffs = codec.encode(delta)
+        positions = coeffs.abs().topk(codec.k, dim=1, sorted=False).indices
+        values = coeffs.gather(1, positions).to(self.value_dtype)
+        sent = torch.zeros_like(coeffs).scatter_(1, positions, values.float())
+        delta.sub_(codec.decode(sent))
+        wire_positions = positions.to(codec.index_dtype)
+        return torch.cat(
+            [values.reshape(-1).view(torch.uint8), wire_positions.reshape(-1).view(torch.uint8)]
+        )
+
+    def _all_gather(self, payload: torch.Tensor) -> torch.Tensor:
+        """Every rank's payload, [world_size, payload bytes] uint8, in rank order."""
+        world = dist.get_world_size(self.process_group)
+        if self.counter is not None:
+            self.counter("all_gather", payload.numel(), self.process_group)
+        gathered = payload.new_empty(world * payload.numel())
+        dist.all_gather_into_tensor(gathered, payload, group=self.process_group)
+        return gathered.view(world, -1)
+
+    def _decode(self, codec: TileCodec, rows: torch.Tensor) -> torch.Tensor:
+        """All ranks' messages of one parameter ([world_size, message bytes] uint8) -> the step
+        direction in the parameter's shape (fp32): per coefficient the mean over the ranks that
+        sent it, inverse DCT, sign (unless ``settings.sign`` is off)."""
+        world, count = rows.shape[0], codec.value_count
+        split = count * _nbytes(self.value_dtype)
+        values = rows[:, :split].clone().view(self.value_dtype).float()
+        positions = rows[:, split:].clone().view(codec.index_dtype).long()
+        shape = (world, codec.n_tiles, codec.k)
+        values, positions = values.view(shape), positions.view(shape)
+        total = values.new_zeros(codec.n_tiles, codec.tile_numel)
+        senders = torch.zeros_like(total)
+        ones = torch.ones_like(values[0])
+        for rank in range(world):  # rank order: the same sums on every rank
+            total.scatter_add_(1, positions[rank], values[rank])
+            senders.scatter_add_(1, positions[rank], ones)
+        direction = codec.decode(total / senders.clamp_min(1.0))
+        return direction.sign_() if self.settings.sign else direction
+
+
+class LocalMomentum:
+    """A :class:`DeMo`'s state as per-rank checkpoint state (``state_dict`` /
+    ``load_state_dict``).
+
+    DeMo's momentum differs between ranks (it is each rank's error feedback), so it must not go
+    through DCP with the replicated model: DCP saves a replicated tensor from one rank only, and
+    every rank would resume with rank 0's momentum. This saves each rank's own, with parameter
+    positions (``Optimizer.state_dict``'s numbering, across groups in order) as string keys
+    (JSON + tensors, nothing pickled). Loading copies into the existing fp32 momentum rather
+    than through ``Optimizer.load_state_dict``, which would cast it to a bf16 parameter's dtype.
+    """
+
+    def __init__(self, optimizer: DeMo) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, object]:
+        """``{"state": {"<position>": {"delta": tensor}}, "param_groups": [...]}``."""
+        local = self.optimizer.state_dict()
+        state = {str(index): values for index, values in local["state"].items()}
+        return {"state": state, "param_groups": local["param_groups"]}
+
+    def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
+        """Restore what ``state_dict`` returned on this rank, bit for bit (copied in place).
+
+        Raises ``ValueError`` when the saved groups do not match this optimizer's.
+        """
+        groups = cast(list[Mapping[str, object]], state_dict["param_groups"])
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"saved DeMo state has {len(groups)} parameter groups, not "
+                f"{len(self.optimizer.param_groups)}"
+            )
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        saved = cast(Mapping[str, Mapping[str, torch.Tensor]], state_dict["state"])
+        for index, values in saved.items():
+            self.optimizer.state[params[int(index)]]["delta"].copy_(values["delta"])
+        for group, saved_group in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+
+
+def _local_hook(
+    state: CompressionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook that leaves the bucket as it is: each rank keeps its local gradient.
+
+    Counts the dense fp32 all-reduce it replaces (``comm_bytes_dense``) so the metrics' ratio
+    compares DeMo's all-gather with it; sends nothing.
+    """
+    buffer = bucket.buffer()
+    state.hook_calls += 1
+    state.comm_bytes_dense += dense_wire_bytes(buffer.numel(), state.world_size)
+    if bucket.is_last():
+        state.step += 1
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+def register_local_gradients(
+    model: DistributedDataParallel, process_group: dist.ProcessGroup | None = None
+) -> CompressionState:
+    """Register :func:`_local_hook` on ``model`` (DDP then communicates nothing in backward) and
+    return the state that counts bytes; pass its ``count`` to :class:`DeMo` as ``counter``.
+
+    Call on every rank after constructing the DDP model and before the first backward. Raises
+    whatever ``register_comm_hook`` raises (e.g. a hook already registered).
+    """
+    state = CompressionState(CompressionSettings(method="none"), model.parameters(), process_group)
+    model.register_comm_hook(state, _local_hook)
+    return state
+
+
+def build_demo(
+    param_groups: list[dict[str, object]],
+    learning_rate: float,
+    settings: DemoSettings,
+    state: CompressionState,
+) -> DeMo:
+    """DeMo over ``param_groups`` (``optimizer.parameter_groups``: decoupled weight decay on
+    matrices only), exchanging in ``state``'s process group and counting its bytes there."""
+    group = state.process_group
+    return DeMo(param_groups, learning_rate, settings, process_group=group, counter=state.count)
