@@ -458,7 +458,9 @@ def draw(points: list[Point], reference: Setting | None, path: Path) -> None:
         )
     dense = next((p for p in points if p.setting is reference), None)
     if dense is not None:
-        axis.axvline(dense.wire8, color="black", linestyle=":", linewidth=1)
+        axis.axvline(
+            dense.wire8, color="black", linestyle=":", linewidth=1, label="dense AdamW wire bytes"
+        )
     axis.set_xscale("log")
     axis.set_xlabel(f"wire bytes per rank per step at W = {FRONTIER_WORLD} (ring model)")
     axis.set_ylabel("held-out loss vs dense AdamW (%, paired by seed, +- SE)")
