@@ -17,16 +17,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrun_ddp import plot
 
-STEPS = 40
+STEPS = 20
 
 
 def e2e_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
-    """The tiny config, shortened for a test: 40 steps of 2 x 4 x 128 tokens."""
+    """The tiny config, shortened for a test: 20 steps of 2 x 4 x 128 tokens."""
     return tiny_args(
         sample_data, output_dir,
         "--seq-length", "128", "--batch-size", "4", "--max-steps", str(STEPS),
         "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5",
-        "--eval-every", "20", "--eval-batches", "4", "--tensorboard", *extra,
+        "--eval-every", "10", "--eval-batches", "4", "--tensorboard", *extra,
     )  # fmt: skip
 
 
@@ -64,7 +64,7 @@ def test_loss_falls_and_eval_is_finite(tiny_run: Path) -> None:
     assert losses[0] > 9.0, "an untrained model starts near ln(32000) = 10.4"
     assert losses[-1] < losses[0] - 2.0, losses
     evals = [r for r in records if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [0, 20, 40]
+    assert [r["step"] for r in evals] == [0, 10, 20]
     assert evals[0]["eval_loss"] == pytest.approx(math.log(32000), abs=0.3), "untrained model"
     assert all(torch.isfinite(torch.tensor(r["eval_loss"])) for r in evals)
     assert evals[-1]["eval_loss"] < 9.0
@@ -85,7 +85,7 @@ def test_final_model_loads_and_generates(tiny_run: Path) -> None:
     assert out.shape[1] == prompt["input_ids"].shape[1] + 8
     assert isinstance(tokenizer.decode(out[0]), str)
     assert (tiny_run / "final_model" / "model.safetensors").is_file()
-    assert "max_steps = 40" in (tiny_run / "config.toml").read_text()
+    assert "max_steps = 20" in (tiny_run / "config.toml").read_text()
 
 
 def test_tensorboard_events_hold_the_logged_scalars(tiny_run: Path) -> None:

@@ -75,11 +75,12 @@ VARIANTS = {
         "--seq-length", "16", "--batch-size", "1",
     ),
 }  # fmt: skip
-"""Settings whose resume is checked: plain DDP, rotating DCT (its selection follows the step; its
-error-feedback residuals are per-rank state), and ZeRO-1 (per-rank optimizer shards) with
-autocast and activation checkpointing. The bf16 variant trains the hidden-64 LLaMA on 16-token
-windows: CPUs without bf16 units (no avx512_bf16/AMX) run bf16 matmuls about 100x slower than
-fp32, and this checks resume, not speed."""
+"""Settings whose resume is checked: plain DDP (its uninterrupted run is the reference of the
+SIGTERM and kill tests below; its stop-and-resume is tests/test_faults.py's SIGKILL run), rotating
+DCT (its selection follows the step; its error-feedback residuals are per-rank state), and ZeRO-1
+(per-rank optimizer shards) with autocast and activation checkpointing. The bf16 variant trains the
+hidden-64 LLaMA on 16-token windows: CPUs without bf16 units (no avx512_bf16/AMX) run bf16 matmuls
+about 100x slower than fp32, and this checks resume, not speed."""
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def straight(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return runs
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [name for name in VARIANTS if name != "none"])
 def test_stop_and_resume_is_exact(
     sample_data: Path, tmp_path: Path, straight: dict[str, Path], variant: str
 ) -> None:
