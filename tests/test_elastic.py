@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from distributed_harness import REPO, free_port, subprocess_env, torchrun_command
+from distributed_harness import REPO, free_port, subprocess_env, torchrun, torchrun_command
 
 STEPS = 40
 
@@ -141,3 +141,23 @@ def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) ->
         assert losses[step + 1] < losses[1] - 0.5, (step, losses)  # not an untrained model
         assert abs(losses[step + 1] - losses[step]) < 1.0, (step, losses)
     assert (tmp_path / "final_model" / "model.safetensors").is_file()
+
+
+def _meta(output_dir: Path, step: int) -> dict[str, object]:
+    return json.loads((output_dir / "checkpoints" / f"step-{step}" / "meta.json").read_text())
+
+
+def test_tokens_seen_counts_each_world_size_at_its_own_tokens_per_step(
+    sample_data: Path, tmp_path: Path
+) -> None:
+    """2 steps at world size 2 (2 x 2 x 32 tokens a step), then 2 at world size 1 without
+    --keep-global-batch (2 x 32 a step): the checkpoint counts 256 + 128 tokens, not 4 x 128."""
+    args = [a for a in _args(sample_data, tmp_path) if a != "--keep-global-batch"]
+    at = args.index("--max-steps") + 1
+    for nproc, steps in ((2, 2), (1, 4)):
+        args[at] = str(steps)
+        done = torchrun(args, nproc=nproc)
+        assert done.returncode == 0, done.stderr[-4000:]
+    assert "world size 2 -> 1: tokens per step 128 -> 64" in done.stderr
+    assert _meta(tmp_path, 2)["tokens_seen"] == 2 * 128
+    assert _meta(tmp_path, 4)["tokens_seen"] == 2 * 128 + 2 * 64

@@ -334,6 +334,9 @@ class Trainer:
     """The run's identity, stamped in checkpoints and metrics.jsonl."""
     step: int = 0
     """Optimizer steps done (restored on resume)."""
+    tokens_seen: int = 0
+    """Tokens trained over all ranks and steps, counted across world-size changes (restored on
+    resume)."""
 
 
 def build_trainer(

@@ -115,6 +115,7 @@ def train(trainer: Trainer) -> bool:
             started = time.perf_counter()
             loss, grad_norm = optimizer_step(trainer, trainer.data.next_step())
             trainer.step += 1
+            trainer.tokens_seen += trainer.window.tokens_per_step
             step_time = time.perf_counter() - started
             trainer.window.add(loss, grad_norm, step_time, trainer.compression.pop_step_bytes())
             progress.update()

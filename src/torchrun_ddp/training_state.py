@@ -94,7 +94,7 @@ def save(trainer: Trainer) -> Path:
     per_rank["rng"] = capture_rng_state()
     meta = {**run_identity(trainer), "config": dataclasses.asdict(trainer.config)}
     meta["run_id"] = trainer.run_id
-    meta["tokens_seen"] = trainer.step * tokens_per_step(trainer.config, trainer.env)
+    meta["tokens_seen"] = trainer.tokens_seen
     path = save_checkpoint(
         checkpoint_root(trainer.config),
         trainer.step,
@@ -124,6 +124,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     shared, sharded = shared_state(trainer), sharded_state(trainer)
     per_rank = load_checkpoint(path, shared, sharded, reshard=True)
     trainer.step = int(saved["step"])
+    trainer.tokens_seen = int(saved["tokens_seen"])
     if per_rank is None:
         resume_resharded(trainer, path)
     else:
