@@ -22,9 +22,10 @@ from torchrun_ddp.compression.plan import (
     predicted_step_seconds,
     state_bytes,
 )
+from torchrun_ddp.compression.wire import demo_payload_bytes
 from torchrun_ddp.config import TrainConfig, parse_config
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import check_fits, plan_run
+from torchrun_ddp.dry_run import check_fits, communication_plan, plan_run, trained_shapes
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.memory_plan import (
     GIB,
@@ -338,6 +339,24 @@ def test_node_aware_scope_moves_fewer_bytes_over_the_uplink(sizes: list[int]) ->
     assert predicted_step_seconds(aware, 3.0) == pytest.approx(3.0 + aware.seconds)
     table = communication_table([DCT_8X], sizes, topo, 3.0)
     assert "| dct 0.25 bf16 |" in table and "8x" in table
+
+
+def test_dry_run_plans_demo_all_gather_as_the_first_row(config: LlamaConfig) -> None:
+    """--optimizer demo: the plan's first row is DeMo's all-gather of (index, bf16 value) pairs,
+    (W - 1) x the payload at W = 8; on LLaMA-2-7B's 64 x 64 tiles with k = 32 that is about 32x
+    fewer wire bytes than the dense fp32 all-reduce (vectors, in 64-element chunks, send half)."""
+    run = parse_config(["--optimizer", "demo", "--plan-world-size", "8"])
+    shapes = trained_shapes(run, config)
+    assert sum(math.prod(shape) for shape in shapes) == N
+    table = communication_plan(run, DistEnv(), shapes, 1e9)
+    first = table.splitlines()[3].split(" | ")
+    wire = 7 * demo_payload_bytes(shapes, 32, 64, torch.bfloat16)
+    assert first[0] == "| demo k=32 tile 64" and first[1] == f"{wire / 1e6:.4g}"
+    ratio = float(first[3].rstrip("x"))
+    assert ratio == pytest.approx(2 * 7 / 8 * 4 * N / wire, rel=1e-2)
+    assert 31 < ratio <= 32 and "waits in the optimizer step" in first[6]
+    adamw = communication_plan(replace(run, optimizer="adamw"), DistEnv(), shapes, 1e9)
+    assert adamw.splitlines()[3].startswith("| none | ")
 
 
 # -------------------------------------------------------------------------------------------------

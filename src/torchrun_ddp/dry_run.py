@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 from transformers import PretrainedConfig
@@ -18,9 +19,11 @@ from torchrun_ddp.compression import compression_settings
 from torchrun_ddp.compression.plan import (
     Topology,
     communication_table,
+    demo_estimate,
     reference_methods,
     state_bytes,
 )
+from torchrun_ddp.compression.settings import TOPK_VALUE_DTYPES
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
@@ -119,19 +122,27 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     if hints:
         lines.append("would fit with:")
         lines.extend(f"  {hint}" for hint in hints)
-    # DDP buckets what trains: under LoRA only the adapters cross the wire.
-    sizes = list(plan.settings.adapter_sizes) or parameter_sizes(meta_model(model_config))
-    lines.append(communication_plan(config, env, sizes, plan.flops_per_token))
+    shapes = trained_shapes(config, model_config)
+    lines.append(communication_plan(config, env, shapes, plan.flops_per_token))
     return "\n".join(lines)
 
 
+def trained_shapes(config: TrainConfig, model_config: PretrainedConfig) -> list[tuple[int, ...]]:
+    """Shapes of the parameters that train, on the meta device: what DDP buckets and DeMo tiles
+    (only the adapters under --peft lora)."""
+    model = meta_model(model_config)
+    if config.peft == "lora":
+        model = apply_lora(model, lora_settings(config))
+    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+
+
 def communication_plan(
-    config: TrainConfig, env: DistEnv, sizes: list[int], flops_per_token: float
+    config: TrainConfig, env: DistEnv, shapes: list[tuple[int, ...]], flops_per_token: float
 ) -> str:
-    """Wire bytes and predicted times per step of this run's method and the reference methods
-    (``compression.plan``) for gradients of ``sizes`` elements (the trained parameters), for
-    --plan-world-size ranks (else WORLD_SIZE), --plan-gpus-per-node and the --plan-*-gbit links;
-    compute at --plan-tflops per rank."""
+    """Wire bytes and predicted times per step of this run's method (its --compression, or
+    DeMo's all-gather under --optimizer demo) and the reference methods (``compression.plan``)
+    for the trained parameters of ``shapes``, for --plan-world-size ranks (else WORLD_SIZE),
+    --plan-gpus-per-node and the --plan-*-gbit links; compute at --plan-tflops per rank."""
     world = config.plan_world_size or env.world_size
     per_node = min(config.plan_gpus_per_node, world)
     topo = Topology(
@@ -139,15 +150,22 @@ def communication_plan(
     )
     tokens = config.batch_size * config.seq_length * config.accumulation_steps
     compute_s = tokens * flops_per_token / (config.plan_tflops * 1e12)
-    run_method = compression_settings(config)
-    methods = [run_method, *reference_methods(config.compression_block_size)]
+    sizes = [math.prod(shape) for shape in shapes]
+    methods = reference_methods(config.compression_block_size)
+    first = None
+    if config.optimizer == "demo":
+        dtype = TOPK_VALUE_DTYPES[config.demo_value_dtype]
+        demo = demo_estimate(shapes, config.demo_topk, config.demo_tile_size, dtype, topo)
+        first = (f"demo k={config.demo_topk} tile {config.demo_tile_size}", demo)
+    else:
+        methods = [compression_settings(config), *methods]
     header = (
         f"communication plan: {world} ranks = {topo.nodes} node(s) x {per_node}, links "
         f"{config.plan_intra_node_gbit:g} Gbit/s in a node, {config.plan_inter_node_gbit:g} "
         f"Gbit/s between nodes; compute {compute_s:.4g} s per step ({tokens} tokens per rank at "
-        f"{config.plan_tflops:g} TFLOP/s); first row: this run's --compression"
+        f"{config.plan_tflops:g} TFLOP/s); first row: this run's --optimizer demo or --compression"
     )
-    return "\n".join([header, communication_table(methods, sizes, topo, compute_s)])
+    return "\n".join([header, communication_table(methods, sizes, topo, compute_s, first)])
 
 
 def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv) -> None:

@@ -14,7 +14,9 @@ all-gather inside the node use the intra-node links.
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from torchrun_ddp.compression.settings import (
     TOPK_VALUE_DTYPES,
@@ -22,7 +24,7 @@ from torchrun_ddp.compression.settings import (
     keeps_residual,
     kept_coefficients,
 )
-from torchrun_ddp.compression.wire import topk_payload_bytes, wire_bytes
+from torchrun_ddp.compression.wire import demo_payload_bytes, topk_payload_bytes, wire_bytes
 
 FP32 = 4
 
@@ -50,13 +52,14 @@ class CommEstimate:
     ``wire_bytes``: bytes the rank sends (all links); ``uplink_bytes``: bytes its node's uplink
     carries per direction (0 on one node); ``seconds``: the time the links need (bandwidth
     model); ``overlaps``: whether the hook returns before its collectives finish, so that
-    communication can run during backward.
+    communication can run during backward; ``waits``: where it waits instead, when it does not.
     """
 
     wire_bytes: float
     uplink_bytes: float
     seconds: float
     overlaps: bool
+    waits: str = "per bucket"
 
 
 def _value_bytes(settings: CompressionSettings) -> int:
@@ -99,7 +102,7 @@ def _powersgd_numel(sizes: Sequence[int], rank: int) -> int:
 def estimate(settings: CompressionSettings, sizes: Sequence[int], topo: Topology) -> CommEstimate:
     """Wire bytes and link time of one step of ``settings`` for parameters of ``sizes``."""
     collective, payload, value = _payload(settings, sizes)
-    world, per_node, nodes = topo.world_size, topo.per_node, topo.nodes
+    per_node, nodes = topo.per_node, topo.nodes
     if settings.scope == "inter-node" and nodes > 1 and per_node > 1:
         fp32_payload = payload / value * FP32
         inside = wire_bytes("reduce_scatter", fp32_payload, per_node)
@@ -108,10 +111,32 @@ def estimate(settings: CompressionSettings, sizes: Sequence[int], topo: Topology
         uplink = between * per_node
         seconds = inside * 8 / topo.intra_bits_per_s + uplink * 8 / topo.inter_bits_per_s
         return CommEstimate(inside + between, uplink, seconds, overlaps=False)
-    wire = wire_bytes(collective, payload, world)
-    slowest = topo.inter_bits_per_s if nodes > 1 else topo.intra_bits_per_s
-    uplink = wire if nodes > 1 else 0.0
-    return CommEstimate(wire, uplink, wire * 8 / slowest, overlaps=settings.method != "powersgd")
+    return _global(collective, payload, topo, overlaps=settings.method != "powersgd")
+
+
+def _global(collective: str, payload: float, topo: Topology, overlaps: bool) -> CommEstimate:
+    """One ``collective`` of ``payload`` bytes per rank over all ranks (ring model): the slowest
+    link, the uplink between nodes when there are several, carries all of it."""
+    wire = wire_bytes(collective, payload, topo.world_size)
+    slowest = topo.inter_bits_per_s if topo.nodes > 1 else topo.intra_bits_per_s
+    uplink = wire if topo.nodes > 1 else 0.0
+    return CommEstimate(wire, uplink, wire * 8 / slowest, overlaps=overlaps)
+
+
+def demo_estimate(
+    shapes: Sequence[tuple[int, ...]],
+    topk: int,
+    tile: int,
+    value_dtype: torch.dtype,
+    topo: Topology,
+) -> CommEstimate:
+    """DeMo's (``--optimizer demo``) step: one all-gather over all ranks of every rank's top-k
+    (position, value) pairs per tile of the trained parameters of ``shapes``
+    (:func:`~torchrun_ddp.compression.wire.demo_payload_bytes`), run by the optimizer after
+    backward, so it never overlaps backward. Peng, Quesnelle & Kingma 2024, arXiv:2411.19870."""
+    payload = demo_payload_bytes(shapes, topk, tile, value_dtype)
+    comm = _global("all_gather", payload, topo, overlaps=False)
+    return replace(comm, waits="in the optimizer step")
 
 
 def state_bytes(
@@ -193,38 +218,47 @@ def _ratio(dense: float, sent: float) -> str:
 
 
 def communication_table(
-    methods: Sequence[CompressionSettings], sizes: Sequence[int], topo: Topology, compute_s: float
+    methods: Sequence[CompressionSettings],
+    sizes: Sequence[int],
+    topo: Topology,
+    compute_s: float,
+    first: tuple[str, CommEstimate] | None = None,
 ) -> str:
-    """Markdown table, one row per method: wire bytes per rank per step, uplink bytes, ratio
-    against a dense fp32 ring all-reduce at this world size, link time, whether it hides behind
-    backward (``compute_s * 2 / 3``) and the predicted step time. Two ratios against a dense
-    fp32 ring all-reduce: of the wire bytes on all links, and of the bytes over a node's uplink
-    (``-`` on one node), the one that matters on slow links between nodes."""
+    """Markdown table, one row per method (``first``: a named row above them, such as DeMo's
+    :func:`demo_estimate`): wire bytes per rank per step, uplink bytes, ratio against a dense
+    fp32 ring all-reduce at this world size, link time, whether it hides behind backward
+    (``compute_s * 2 / 3``) and the predicted step time. Two ratios against a dense fp32 ring
+    all-reduce: of the wire bytes on all links, and of the bytes over a node's uplink (``-`` on
+    one node), the one that matters on slow links between nodes."""
     dense = estimate(CompressionSettings("none"), sizes, topo)
-    backward = compute_s * 2 / 3
+    rows = [first] if first else []
+    rows += [(label(settings), estimate(settings, sizes, topo)) for settings in methods]
     lines = [
         "| method | wire MB/rank/step | uplink MB/step | ratio (wire) | ratio (uplink) | comm s "
         "| hides behind backward | step s |",
         "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
-    for settings in methods:
-        comm = estimate(settings, sizes, topo)
-        hides = "yes" if comm.overlaps and comm.seconds <= backward else "no"
-        if not comm.overlaps:
-            hides = "no (waits per bucket)"
-        lines.append(
-            f"| {label(settings)} | {comm.wire_bytes / 1e6:.4g} | {comm.uplink_bytes / 1e6:.4g} "
-            f"| {dense.wire_bytes / max(comm.wire_bytes, 1.0):.3g}x "
-            f"| {_ratio(dense.uplink_bytes, comm.uplink_bytes)} | {comm.seconds:.4g} "
-            f"| {hides} | {predicted_step_seconds(comm, compute_s):.4g} |"
-        )
+    lines += [_table_row(name, comm, dense, compute_s) for name, comm in rows]
     return "\n".join(lines)
+
+
+def _table_row(name: str, comm: CommEstimate, dense: CommEstimate, compute_s: float) -> str:
+    hides = "yes" if comm.seconds <= compute_s * 2 / 3 else "no"
+    if not comm.overlaps:
+        hides = f"no (waits {comm.waits})"
+    return (
+        f"| {name} | {comm.wire_bytes / 1e6:.4g} | {comm.uplink_bytes / 1e6:.4g} "
+        f"| {dense.wire_bytes / max(comm.wire_bytes, 1.0):.3g}x "
+        f"| {_ratio(dense.uplink_bytes, comm.uplink_bytes)} | {comm.seconds:.4g} "
+        f"| {hides} | {predicted_step_seconds(comm, compute_s):.4g} |"
+    )
 
 
 __all__ = [
     "CommEstimate",
     "Topology",
     "communication_table",
+    "demo_estimate",
     "estimate",
     "label",
     "predicted_step_seconds",
