@@ -264,7 +264,7 @@ def flops_per_token(
     matmul = matmul_parameter_count(model, model_config)
     if config.peft == "none":
         return model_flops_per_token(matmul, layers, hidden, config.seq_length)
-    trained = sum(param.numel() for param in model.parameters() if param.requires_grad)
+    trained = sum(trainable_parameter_sizes(model))
     return model_flops_per_token(
         trained, layers, hidden, config.seq_length, frozen=matmul - trained
     )

@@ -42,7 +42,6 @@ from torchrun_ddp.model import (
     apply_lora,
     load_model_config,
     lora_settings,
-    trainable_parameter_sizes,
 )
 
 log = logging.getLogger("torchrun_ddp")
@@ -80,7 +79,7 @@ def plan_run(
     active = matmul_parameter_count(model, model_config)
     adapters: tuple[int, ...] = ()
     if config.peft == "lora":
-        adapters = tuple(trainable_parameter_sizes(apply_lora(model, lora_settings(config))))
+        adapters = tuple(math.prod(shape) for shape in trained_shapes(config, model_config))
     state, buffers = state_bytes(  # DDP buckets only what is trained: the adapters under LoRA
         compression_settings(config),
         list(adapters) or sizes,

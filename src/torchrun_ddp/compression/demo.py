@@ -146,10 +146,6 @@ def tile_codec(shape: tuple[int, ...], settings: DemoSettings) -> TileCodec:
     return TileCodec(tuple(shape), sides, min(settings.topk, math.prod(sides)))
 
 
-def _nbytes(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 Counter = Callable[[str, int, dist.ProcessGroup | None], None]
 """``CompressionState.count``: records one collective's input bytes for the metrics."""
 
@@ -199,9 +195,9 @@ class DeMo(Optimizer):
 
     def payload_bytes(self) -> int:
         """Bytes of this rank's all-gather payload per step (see ``wire.demo_payload_bytes``)."""
-        per_value = _nbytes(self.value_dtype)
+        per_value = self.value_dtype.itemsize
         return sum(
-            codec.value_count * (per_value + _nbytes(codec.index_dtype))
+            codec.value_count * (per_value + codec.index_dtype.itemsize)
             for codec in self.codecs.values()
         )
 
@@ -262,7 +258,7 @@ class DeMo(Optimizer):
         direction in the parameter's shape (fp32): per coefficient the mean over the ranks that
         sent it, inverse DCT, sign (unless ``settings.sign`` is off)."""
         world, count = rows.shape[0], codec.value_count
-        split = count * _nbytes(self.value_dtype)
+        split = count * self.value_dtype.itemsize
         values = rows[:, :split].clone().view(self.value_dtype).float()
         positions = rows[:, split:].clone().view(codec.index_dtype).long()
         shape = (world, codec.n_tiles, codec.k)

@@ -272,7 +272,7 @@ def _unpack_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gathered payloads -> values (fp32) and indices (int64), each [world, n_blocks, k]."""
     rows = gathered.view(world_size, -1)
-    value_bytes = shape[0] * shape[1] * torch.empty(0, dtype=value_dtype).element_size()
+    value_bytes = shape[0] * shape[1] * value_dtype.itemsize
     values = rows[:, :value_bytes].contiguous().view(value_dtype).float()
     indices = rows[:, value_bytes:].contiguous().view(wire_index).long()
     return values.view(world_size, *shape), indices.view(world_size, *shape)

@@ -47,13 +47,13 @@ def dense_wire_bytes(numel: int, world_size: int) -> float:
 def dct_payload_bytes(n_blocks: int, kept: int, value_dtype: torch.dtype = torch.float32) -> int:
     """Bytes ``dct`` hands to its all-reduce for one bucket: ``n_blocks * kept`` coefficients of
     ``value_dtype``."""
-    return n_blocks * kept * torch.empty(0, dtype=value_dtype).element_size()
+    return n_blocks * kept * value_dtype.itemsize
 
 
 def topk_payload_bytes(n_blocks: int, topk: int, block_size: int, value_dtype: torch.dtype) -> int:
     """Bytes ``dct-topk`` hands to all-gather for one bucket (per rank): values plus indices."""
-    per_pair = torch.empty(0, dtype=value_dtype).element_size()
-    per_pair += torch.empty(0, dtype=index_dtype(block_size)).element_size()
+    per_pair = value_dtype.itemsize
+    per_pair += index_dtype(block_size).itemsize
     return n_blocks * topk * per_pair
 
 
@@ -77,7 +77,7 @@ def demo_tile_payload(shape: tuple[int, ...], topk: int, tile: int) -> tuple[int
     sides = tile_shape(shape, tile)
     tile_numel = math.prod(sides)
     n_tiles = max(1, math.prod(shape)) // tile_numel
-    width = torch.empty(0, dtype=index_dtype(tile_numel)).element_size()
+    width = index_dtype(tile_numel).itemsize
     return n_tiles, min(topk, tile_numel), width
 
 
@@ -92,7 +92,7 @@ def demo_payload_bytes(
     ``k = 32`` and bf16 values sends 4096 tiles x 32 x (2 + 2) bytes = 512 KiB, 1/128 of its
     fp32 size.
     """
-    value = torch.empty(0, dtype=value_dtype).element_size()
+    value = value_dtype.itemsize
     total = 0
     for shape in shapes:
         n_tiles, k, width = demo_tile_payload(tuple(shape), topk, tile)
