@@ -20,10 +20,6 @@ MAX_RESTARTS="${MAX_RESTARTS:-3}"
 # Seconds to wait for all nodes at a (re)start: long enough for a restarted node to come back.
 RDZV_TIMEOUT="${RDZV_TIMEOUT:-900}"
 
-# torchrun shares its rendezvous store with the workers by default; after a restart workers can
-# then read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
-
 if command -v uv >/dev/null 2>&1; then
   TORCHRUN=(uv run torchrun)
 else

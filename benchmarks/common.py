@@ -155,9 +155,8 @@ def check_data(data_dir: Path) -> None:
 
 
 def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for ``train.py`` under torchrun: offline hub, fresh rendezvous store."""
+    """Environment for ``train.py`` under torchrun: offline hub, unbuffered output."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return {**env, **(extra or {})}
 
 

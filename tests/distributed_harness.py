@@ -43,14 +43,9 @@ def torchrun_command(
 
 
 def subprocess_env() -> dict[str, str]:
-    """The environment for training subprocesses: offline hub, unbuffered output, and a fresh
-    rendezvous store per torchrun restart (as run.sh sets it; see README, fault tolerance)."""
-    return {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    }
+    """The environment for training subprocesses: offline hub, unbuffered output; torchrun's
+    own defaults otherwise (its agent's store shared with the workers across restarts)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def torchrun(args: list[str], nproc: int = 2, **options: object) -> subprocess.CompletedProcess:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -67,10 +69,10 @@ def straight(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return output_dir
 
 
-def _assert_same_run(got: Path, expected: Path) -> None:
+def _assert_same_run(got: Path, expected: Path, steps: int = STEPS) -> None:
     """Same loss at every step and bit-identical final weights."""
     assert _losses(got) == _losses(expected)
-    assert sorted(_losses(got)) == list(range(1, STEPS + 1))
+    assert sorted(_losses(got)) == list(range(1, steps + 1))
     want = load_file(expected / "final_model" / "model.safetensors")
     have = load_file(got / "final_model" / "model.safetensors")
     assert have.keys() == want.keys()
@@ -169,3 +171,76 @@ def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint(
         assert _losses(tmp_path / "out") == want
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+SOAK_KILLS = 3
+SOAK_STEPS = 16
+READY = re.compile(r"attempt (\d+): ready to train from step (\d+), ([\d.]+) s after")
+
+
+def _soak_args(sample_data: Path, output_dir: Path) -> list[str]:
+    return [*_args(sample_data, output_dir), "--max-steps", str(SOAK_STEPS)]
+
+
+def _step_lines(log: Path) -> int:
+    """Training step records logged since the newest attempt became ready."""
+    text = log.read_text(errors="replace")
+    return len(re.findall(r"\] step \d+ \| loss", text[text.rfind("ready to train") :]))
+
+
+def _kill_one(proc: subprocess.Popen, log: Path, killed: set[int], rng: random.Random) -> str:
+    """Wait for a new attempt's workers, then SIGKILL one at random: in start-up (a random delay
+    of up to 6 s after they appear) or after 1 to 4 of its training steps."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(workers := [p for p in _workers(proc.pid) if p not in killed]) < 2:
+        assert proc.poll() is None, "torchrun ended before every fault was injected"
+        assert time.monotonic() < deadline, "no new attempt started"
+        time.sleep(0.05)
+    victim = rng.choice(workers)
+    if rng.random() < 0.4:
+        delay = rng.uniform(0, 6)
+        moment = f"start-up + {delay:.1f} s"
+        time.sleep(delay)
+    else:
+        ready_before, steps = log.read_text().count("ready to train"), rng.randint(1, 4)
+        moment = f"after {steps} steps"
+        while log.read_text().count("ready to train") == ready_before or _step_lines(log) < steps:
+            assert proc.poll() is None and time.monotonic() < deadline, moment
+            time.sleep(0.02)
+    killed.update(workers)
+    os.kill(victim, signal.SIGKILL)
+    return moment
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_random_sigkills_each_cost_one_restart_and_end_bit_identical(
+    sample_data: Path, tmp_path: Path
+) -> None:
+    """SOAK_KILLS SIGKILLs of random ranks at random moments (start-up included) under plain
+    torchrun (its agent's shared store) with --max-restarts equal to the kills: a restart that
+    fails to reconnect would exhaust them. Every attempt that trains is ready within a minute of
+    its start, and the run ends with an uninterrupted run's losses and weights, bit for bit."""
+    seed = int(os.environ.get("TORCHRUN_DDP_SOAK_SEED", time.time_ns() % 10**6))
+    rng, straight, faulty = random.Random(seed), tmp_path / "straight", tmp_path / "faulty"
+    result = _run(_soak_args(sample_data, straight))
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = tmp_path / "faulty.log"
+    command = torchrun_command(
+        _soak_args(sample_data, faulty), extra=(f"--max-restarts={SOAK_KILLS}",)
+    )
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=sink, stderr=sink)
+    try:
+        killed: set[int] = set()
+        moments = [_kill_one(proc, log, killed, rng) for _ in range(SOAK_KILLS)]
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+    output = log.read_text()
+    context = f"seed {seed}, kills {moments}:\n{output[-4000:]}"
+    assert proc.returncode == 0, context
+    ready = [float(m.group(3)) for m in READY.finditer(output)]
+    assert ready and max(ready) < 60, context
+    assert "connectFullMesh failed" not in output, context
+    _assert_same_run(faulty, straight, SOAK_STEPS)

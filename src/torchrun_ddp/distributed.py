@@ -3,6 +3,16 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
 TORCHELASTIC_RESTART_COUNT for every worker (https://pytorch.org/docs/stable/elastic/run.html).
 Without torchrun the same code runs as a single process (world_size 1) on a free loopback port.
+
+Restarts. By default torchrun's workers share the elastic agent's TCPStore, which lives as long as
+the job, so after a restart the store still holds the previous attempt's keys: the dead ranks'
+gloo addresses (``connectFullMesh ... Connection refused``), NCCL unique ids and barrier counters
+(hangs until the timeout); torch's ``rendezvous.py`` assumes a new store per retry, and
+pytorch/pytorch#167288 reports the NCCL case. Every process group of this project therefore lives
+under a key prefix that only the current attempt uses (``attempt_store``): the ranks agree on a
+fresh random token with rank 0 through the store itself, so the prefix is the same on every node
+even where the nodes' TORCHELASTIC_RESTART_COUNT differ (an agent whose workers were healthy
+restarts them for a re-rendezvous without counting a restart), and after membership changes.
 """
 
 from __future__ import annotations
@@ -11,9 +21,12 @@ import logging
 import os
 import signal
 import socket
+import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from types import FrameType
 
 import datasets
@@ -89,21 +102,91 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def init_distributed(env: DistEnv, device: torch.device, backend: str, timeout_s: int) -> None:
-    """Start the default process group (env:// rendezvous, as torchrun sets it up).
+def init_distributed(env: DistEnv, device: torch.device, backend: str, timeout_s: int) -> int:
+    """Start the default process group (env:// rendezvous, as torchrun sets it up) on a store
+    prefix of this attempt's own (``attempt_store``); every later group (``new_group``) inherits
+    the prefix. Returns the attempt number (``attempt_store``).
 
     A single process without torchrun gets a store on a free port of 127.0.0.1.
+    Raises TimeoutError if the ranks do not all reach the store within ``timeout_s`` seconds.
     """
     if env.master_port == 0:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
+    timeout = timedelta(seconds=timeout_s)
+    store, attempt = attempt_store(env, timeout)
     dist.init_process_group(
         backend=backend_for(device, backend),
+        store=store,
         rank=env.rank,
         world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+    return attempt
+
+
+ATTEMPT_KEYS = "torchrun_ddp/attempts"
+"""Store keys of the attempt agreement; each attempt's process groups live under
+``<ATTEMPT_KEYS>/<token>/``."""
+
+
+def attempt_store(env: DistEnv, timeout: timedelta) -> tuple[dist.Store, int]:
+    """The torchrun store (``torch.distributed.rendezvous("env://")``: the agent's, or one that
+    rank 0 hosts) under a prefix that no earlier attempt of the job used, and the attempt number
+    (1, 2, ... as counted in that store; it restarts at 1 where the store is new per attempt, as
+    with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
+
+    The agreement cannot trust any key it finds, since a key may be a dead attempt's. Rank 0 draws
+    a fresh token; every other rank posts a fresh nonce and waits for the answer filed under its
+    nonce; it then confirms under the token, and rank 0 answers until every rank has confirmed.
+    Stale asks get answers nobody reads. Costs a few store round trips per rank.
+
+    Raises TimeoutError when a rank does not arrive within ``timeout``.
+    """
+    store, _, _ = next(
+        dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=timeout)
+    )
+    if env.rank == 0:
+        number = store.add(f"{ATTEMPT_KEYS}/count", 1)
+        token = f"{number}-{uuid.uuid4().hex}"
+        _answer_until_confirmed(store, token, env.world_size, timeout)
+    else:
+        token = _ask_for_token(store, env.rank, timeout)
+    return dist.PrefixStore(f"{ATTEMPT_KEYS}/{token}", store), int(token.split("-")[0])
+
+
+def _ask_for_token(store: dist.Store, rank: int, timeout: timedelta) -> str:
+    nonce = uuid.uuid4().hex
+    store.set(f"{ATTEMPT_KEYS}/ask/{rank}", nonce)
+    answer = f"{ATTEMPT_KEYS}/answer/{nonce}"
+    store.wait([answer], timeout)
+    token = store.get(answer).decode()
+    store.set(f"{ATTEMPT_KEYS}/{token}/joined/{rank}", "1")
+    return token
+
+
+def _answer_until_confirmed(
+    store: dist.Store, token: str, world_size: int, timeout: timedelta
+) -> None:
+    deadline = time.monotonic() + timeout.total_seconds()
+    answered: dict[int, bytes] = {}
+    pending = set(range(1, world_size))
+    while pending:
+        for rank in sorted(pending):
+            if store.check([f"{ATTEMPT_KEYS}/{token}/joined/{rank}"]):
+                pending.discard(rank)
+                continue
+            ask = f"{ATTEMPT_KEYS}/ask/{rank}"
+            if store.check([ask]) and answered.get(rank) != (nonce := store.get(ask)):
+                store.set(f"{ATTEMPT_KEYS}/answer/{nonce.decode()}", token)
+                answered[rank] = nonce
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"ranks {sorted(pending)} did not join this attempt within "
+                f"{timeout.total_seconds():.0f} s (--timeout-s)"
+            )
+        time.sleep(0.005 if pending else 0)
 
 
 @dataclass(frozen=True)
@@ -146,6 +229,20 @@ def new_node_groups(env: DistEnv) -> NodeGroups:
         [list(range(local, env.world_size, per_node)) for local in range(per_node)]
     )
     return NodeGroups(intra=intra, inter=inter, local_world_size=per_node, nodes=nodes)
+
+
+def seconds_since_process_start() -> float:
+    """Wall-clock seconds since this process started (Linux ``/proc``; elsewhere since this
+    module was imported), for the start-up time that the log reports after each (re)start."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return time.monotonic() - _IMPORTED
+    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+
+
+_IMPORTED = time.monotonic()
 
 
 def shutdown_distributed() -> None:
