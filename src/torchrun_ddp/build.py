@@ -35,7 +35,7 @@ from torchrun_ddp.compression import (
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv, new_node_groups
 from torchrun_ddp.dry_run import check_fits
-from torchrun_ddp.errors import UserError
+from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.lookahead import LookaheadBatches
 from torchrun_ddp.memory_plan import matmul_parameter_count, model_flops_per_token
 from torchrun_ddp.metrics import (
@@ -97,9 +97,10 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
             f"use --seq-length {limit} or less"
         )
     check_fits(config, model_config, env)
+    check_data_error(config)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
-    train_files = resolve_files(config.data_files, "--data-files")
-    eval_files = resolve_files(config.eval_files, "--eval-files")
+    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
+    eval_files = resolve_files(config.eval_files, "--eval-files", config.max_bad_records)
     hub = (config.dataset, config.dataset_config)
     return Inputs(
         model_config=model_config,
@@ -107,6 +108,29 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         train_documents=open_documents(train_files, *hub, split="train"),
         eval_documents=open_documents(eval_files, *hub, split="validation"),
     )
+
+
+DATA_ERROR_FILE = "data_error.json"
+"""In --output-dir: the DataError that stopped an attempt, and the --max-bad-records it had."""
+
+
+def record_data_error(config: TrainConfig, error: DataError) -> None:
+    """Rank 0: keep ``error`` in ``<output_dir>/data_error.json`` for ``check_data_error``."""
+    record = {"error": str(error), "max_bad_records": config.max_bad_records}
+    (Path(config.output_dir) / DATA_ERROR_FILE).write_text(json.dumps(record) + "\n")
+
+
+def check_data_error(config: TrainConfig) -> None:
+    """Raise the DataError an earlier attempt of this output folder stopped on, unless
+    --max-bad-records is now higher: a torchrun restart then stops at once with the same line
+    instead of training back into the same damaged records."""
+    file = Path(config.output_dir) / DATA_ERROR_FILE
+    if not file.is_file():
+        return
+    record = json.loads(file.read_text())
+    if config.max_bad_records > int(record["max_bad_records"]):
+        return
+    raise DataError(f"{record['error']} (kept in {file}: delete it once the data is repaired)")
 
 
 def check_node_layout(env: DistEnv) -> None:
@@ -150,30 +174,43 @@ def checkpoint_root(config: TrainConfig) -> Path:
     return Path(config.checkpoint_dir or Path(config.output_dir) / "checkpoints")
 
 
-def decide_start(config: TrainConfig) -> StartPlan:
-    """Rank 0: what to resume (``checkpoint.plan_start``). Raises UserError when the
-    checkpoint folder or metrics.jsonl hold another run (see --overwrite-output-dir) or the
-    checkpoint cannot be read."""
+def decide_start(config: TrainConfig, restarted: bool = False) -> StartPlan:
+    """Rank 0: what to resume (``checkpoint.plan_start``). --no-resume applies to a job's first
+    attempt only: a ``restarted`` attempt (torchrun restart or re-rendezvous) resumes the run's
+    own checkpoints. Raises UserError when the checkpoint folder or metrics.jsonl hold another
+    run (see --overwrite-output-dir) or the checkpoint cannot be read."""
     root = checkpoint_root(config)
-    overwrite = config.overwrite_output_dir and not config.resume and not config.resume_from
-    plan = plan_start(root, config.resume, config.resume_from, overwrite)
+    resume = config.resume or restarted
+    overwrite = config.overwrite_output_dir and not resume and not config.resume_from
+    plan = plan_start(root, resume, config.resume_from, overwrite)
     check_records(Path(config.output_dir) / "metrics.jsonl", plan.run_id, overwrite)
     return plan
 
 
-def agree_on_start(config: TrainConfig, env: DistEnv, device: torch.device) -> StartPlan:
+def agree_on_start(
+    config: TrainConfig, env: DistEnv, device: torch.device, restarted: bool = False
+) -> StartPlan:
     """Collective: rank 0 decides (``decide_start``) and broadcasts the plan or its error as
     JSON; every rank then checks it sees the same complete checkpoint (``verify_start``).
 
-    Raises the same UserError on every rank, so no rank is left waiting in a collective.
+    Raises the same UserError on every rank, so no rank is left waiting in a collective. Any
+    other exception on rank 0 is re-raised there, and the other ranks raise RuntimeError with
+    its type and message, so every rank says why the start failed.
     """
     decision: dict[str, object] = {}
+    failure: Exception | None = None
     if env.is_main:
         try:
-            decision = {"plan": dataclasses.asdict(decide_start(config))}
+            decision = {"plan": dataclasses.asdict(decide_start(config, restarted))}
         except UserError as exc:  # only bad input: every rank must stop with the same message
             decision = {"error": str(exc)}
+        except Exception as exc:  # re-raised below, once the other ranks are told
+            decision, failure = {"failure": f"{type(exc).__name__}: {exc}"}, exc
     decision = broadcast_json(decision, device)
+    if failure is not None:
+        raise failure
+    if "failure" in decision:
+        raise RuntimeError(f"rank 0 failed deciding what to resume: {decision['failure']}")
     if "error" in decision:
         raise UserError(str(decision["error"]))
     plan = StartPlan(**decision["plan"])
@@ -291,6 +328,7 @@ def build_train_data(
         epochs=config.epochs,
         shuffle_buffer=config.shuffle_buffer,
         seed=config.seed,
+        max_bad_records=config.max_bad_records,
     )
     return LookaheadBatches(loader, config.accumulation_steps, device)
 

@@ -99,6 +99,11 @@ class TrainConfig:
         "Documents per shuffled block of the global document order (each block permuted by "
         "seed, epoch and block); 0 keeps stream order.",
     )
+    max_bad_records: int = _opt(
+        100,
+        "Damaged training records (bad JSON, bad UTF-8, no text, a damaged gzip stream) skipped "
+        "with a warning naming the file and line; one more stops the run with an error.",
+    )
     seq_length: int = _opt(512, "Tokens per packed training window.")
     batch_size: int = _opt(4, "Micro-batch size in windows per rank.")
     accumulation_steps: int = _opt(1, "Micro-batches accumulated per optimizer step.")
@@ -411,6 +416,7 @@ _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "tim
 _POSITIVE += ("keep_checkpoints", "compression_topk", "powersgd_rank", "ddp_bucket_cap_mb")
 _NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_lr")
 _NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every", "compression_start_step")
+_NON_NEGATIVE += ("max_bad_records",)
 _NON_NEGATIVE += ("device_memory_gib",)
 _POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit", "plan_tflops")
 _POSITIVE += ("plan_gpus_per_node",)

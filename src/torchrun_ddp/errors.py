@@ -7,3 +7,11 @@ class UserError(Exception):
     ``train.py`` prints it as ``error: <message>`` and exits with status 2, without a traceback.
     Every component may raise it; nothing else should be caught and rephrased as one.
     """
+
+
+class DataError(UserError):
+    """Damaged training data beyond what the run may skip (``--max-bad-records``).
+
+    Raised where the data is read (a loader worker); ``main`` keeps its message in the output
+    folder so that a torchrun restart refuses at once instead of training into it again.
+    """

@@ -31,6 +31,7 @@ from torchrun_ddp.build import (
     build_trainer,
     checkpoint_root,
     prepare_inputs,
+    record_data_error,
 )
 from torchrun_ddp.checkpoint import (
     record_run_id,
@@ -41,10 +42,12 @@ from torchrun_ddp.distributed import (
     StopRequest,
     init_distributed,
     pick_device,
+    seconds_since_process_start,
     setup_logging,
     shutdown_distributed,
 )
 from torchrun_ddp.dry_run import dry_run
+from torchrun_ddp.errors import DataError
 from torchrun_ddp.faults import fault_point
 from torchrun_ddp.metrics import (
     Record,
@@ -55,6 +58,7 @@ from torchrun_ddp.model import (
     autocast_context,
     export_final_model,
 )
+from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import resume, save
 
 log = logging.getLogger("torchrun_ddp")
@@ -74,24 +78,37 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
-    init_distributed(env, device, config.backend, config.timeout_s)
+    attempt = init_distributed(env, device, config.backend, config.timeout_s)
     try:
-        trainer = start(config, env, device, inputs)
+        trainer = start(config, env, device, inputs, attempt)
         finished = train(trainer)
         if finished:
             save_final_model(trainer)
         trainer.metrics.close()
         return finished
+    except DataError as exc:
+        if env.is_main:
+            record_data_error(config, exc)
+        raise
     finally:
         shutdown_distributed()
 
 
-def start(config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs) -> Trainer:
+def start(
+    config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs, attempt: int = 1
+) -> Trainer:
     """Collective: agree on what to resume, build this rank's trainer and resume it; rank 0 then
-    trims ``metrics.jsonl`` to the resumed step and saves the resolved config."""
-    plan = agree_on_start(config, env, device)
+    trims ``metrics.jsonl`` to the resumed step and saves the resolved config. ``attempt`` > 1
+    (or a torchrun restart count above 0) marks a restart of this job, which resumes its own
+    checkpoints even under --no-resume."""
+    restarted = attempt > 1 or env.restart_count > 0
+    plan = agree_on_start(config, env, device, restarted)
     trainer = build_trainer(config, env, device, inputs, plan.run_id)
     resume(trainer, plan)
+    log.info(
+        "attempt %d: ready to train from step %d, %.1f s after the process started",
+        attempt, trainer.step, seconds_since_process_start(),
+    )  # fmt: skip
     if env.is_main:  # every start check has passed: the folder now belongs to this run
         record_run_id(checkpoint_root(config), plan.run_id)
         metrics = Path(config.output_dir) / "metrics.jsonl"
@@ -155,6 +172,8 @@ def check_in(
         return data_ends, stopping
     lr = float(trainer.scheduler.get_last_lr()[0])
     record, (data_ends, stopping) = trainer.window.flush(step, lr, flags)
+    if skipped := bad_record_count(trainer.data.trained_position):
+        record["bad_records"] = skipped
     trainer.metrics.log(record)
     if progress is not None:
         progress.set_postfix(loss=round(record["loss"], 3), tok_s=int(record["tokens_per_s"]))

@@ -11,6 +11,14 @@ the whole stream, shuffles it in fixed blocks, and takes the positions dealt to 
 small and can be re-split among another number of ranks (``reshard_positions``), so a run can
 continue at another world size with every document trained exactly once. Held-out data is split
 per rank with ``datasets.distributed.split_dataset_by_node`` and packed by ``PackedWindows``.
+
+Damaged records. Local files are read line by line (``read_records``), so a damaged record deep
+inside a large shard (invalid JSON, bad UTF-8, no ``text``, a damaged gzip stream) becomes a
+record that names the file and line instead of an exception from the JSON parser. The training
+order skips it: it takes no position, the same on every rank and after every resume. Each
+distinct damaged record is logged once (rank 0), kept in the data position (so the count
+survives restarts) and counted in the metrics (``bad_records``); past ``--max-bad-records`` the
+run stops with a ``DataError``. A damaged gzip stream loses the rest of its file: one record.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import copy
 import glob
 import gzip
 import json
+import logging
 import os
 import random
 import warnings
@@ -27,67 +36,67 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from datasets import IterableDataset, load_dataset
+from datasets import Features, IterableDataset, Value, load_dataset
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from torchrun_ddp.errors import UserError
+from torchrun_ddp.errors import DataError, UserError
+
+log = logging.getLogger("torchrun_ddp")
 
 
-def resolve_files(patterns: list[str], flag: str) -> list[str]:
+def resolve_files(patterns: list[str], flag: str, max_bad_records: int = 0) -> list[str]:
     """Expand globs into a sorted list of files, each checked by ``check_data_file``; raises
-    UserError if a pattern matches nothing or a file is unreadable."""
+    UserError if a pattern matches nothing, a file has no readable record, or the damaged records
+    found exceed ``max_bad_records`` (fewer are logged as a warning and skipped in training)."""
     files: list[str] = []
     for pattern in patterns:
         matched = sorted(glob.glob(pattern)) or ([pattern] if Path(pattern).is_file() else [])
         if not matched:
             raise UserError(f"{flag} {pattern} matches no file; check the path or the glob")
         files.extend(matched)
-    for file in files:
-        check_data_file(file, flag)
+    damaged = [error for file in files for error in check_data_file(file, flag)]
+    if len(damaged) > max_bad_records:
+        raise UserError(
+            f"{flag} {damaged[0]}; {len(damaged)} damaged records in all, more than "
+            f"--max-bad-records {max_bad_records}: repair the file or raise --max-bad-records"
+        )
+    if damaged:
+        log.warning(
+            "%s: %d damaged records will be skipped, the first: %s", flag, len(damaged), damaged[0]
+        )
     return files
 
 
 FULL_CHECK_BYTES = 64 * 2**20
 """Files up to this size (64 MiB on disk) are read to the end by ``check_data_file``; larger
-ones only to their first record, so a run over many large shards starts quickly."""
+ones only to their first record, so a run over many large shards starts quickly (a damaged
+record further in is skipped when training reaches it: see the module docstring)."""
 
 
-def check_data_file(path: str, flag: str) -> None:
-    """Raise UserError naming ``path`` if it is not JSON lines of objects with a string ``text``:
-    a corrupt or truncated gzip stream, an empty file, a line that is not a JSON object, or a
-    record without ``text``. Checks every line of files up to ``FULL_CHECK_BYTES``, else the first.
+def check_data_file(path: str, flag: str) -> list[str]:
+    """The damaged records of ``path`` (``read_records`` errors: file and line), read to the end
+    for files up to ``FULL_CHECK_BYTES``, else up to the first good record.
+
+    Raises UserError naming ``path`` if the file holds no readable record before that point (an
+    empty file, a corrupt gzip stream, a file that is not JSON lines of objects with ``text``).
     """
     full = Path(path).stat().st_size <= FULL_CHECK_BYTES
-    opener = gzip.open if path.endswith(".gz") else open
-    records = 0
-    try:
-        with opener(path, "rt", encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                _check_record(line, path, number, flag)
-                records += 1
-                if not full:
-                    break
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
-        raise UserError(f"{flag} {path} cannot be read ({exc}); replace the file") from exc
-    if records == 0:
-        raise UserError(f"{flag} {path} holds no records; remove it or pass another file")
-
-
-def _check_record(line: str, path: str, number: int, flag: str) -> None:
-    """Raise UserError unless ``line`` is a JSON object with a string ``text``."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{flag} {path} line {number} is not JSON ({exc}); use JSON lines") from exc
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise UserError(
-            f"{flag} {path} line {number} has no 'text' string; use files in C4's layout"
-        )
+    damaged: list[str] = []
+    good = 0
+    for record in _file_records(path):
+        if record["error"]:
+            damaged.append(str(record["error"]))
+            continue
+        good += 1
+        if not full:
+            return damaged
+    if good == 0:
+        why = f"{damaged[0]}; replace the file" if damaged else f"{path} holds no records"
+        raise UserError(f"{flag} {why}; JSON lines with a 'text' string are needed")
+    return damaged
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
@@ -106,15 +115,17 @@ def open_documents(
 ) -> IterableDataset:
     """A streaming dataset of ``{"text": str}`` records, from local files or the hub.
 
-    Only the ``text`` column is kept (C4's ``timestamp`` is inferred as a datetime, which the
-    default collation cannot batch). Raises UserError when the hub cannot be reached or the
-    files have no ``text`` field.
+    Local files go through ``read_records`` (one shard per file; damaged records come as
+    ``{"text": None, "error": "<file> line <n>: ..."}``). From the hub only the ``text`` column
+    is kept (C4's ``timestamp`` is inferred as a datetime, which the default collation cannot
+    batch). Raises UserError when the hub cannot be reached or has no ``text`` field.
     """
+    if files:
+        return IterableDataset.from_generator(
+            read_records, features=RECORD_FEATURES, gen_kwargs={"files": files}
+        )
     try:
-        if files:
-            stream = load_dataset("json", data_files=files, split="train", streaming=True)
-        else:
-            stream = load_dataset(dataset, dataset_config, split=split, streaming=True)
+        stream = load_dataset(dataset, dataset_config, split=split, streaming=True)
     except ConnectionError as exc:
         raise UserError(
             f"cannot reach the Hugging Face hub to stream {dataset}; pass local json.gz files "
@@ -124,6 +135,46 @@ def open_documents(
         return stream.select_columns(["text"])
     except ValueError as exc:
         raise UserError(f"the data has no 'text' field ({exc}); use files in C4's layout") from exc
+
+
+RECORD_FEATURES = Features({"text": Value("string"), "error": Value("string")})
+"""Columns of ``read_records``: the document text, or None and what is wrong with the record."""
+
+
+def read_records(files: list[str]) -> Iterator[dict[str, str | None]]:
+    """The records of JSON-lines files (``.gz`` or plain), in order, as ``{"text", "error"}``.
+
+    A line that is not UTF-8, not a JSON object or has no ``text`` string yields ``text`` None
+    and an ``error`` naming the file and line; a damaged or truncated gzip stream yields one
+    such record and ends that file. Blank lines are skipped. Never raises for bad content.
+    """
+    for path in files:
+        yield from _file_records(path)
+
+
+def _file_records(path: str) -> Iterator[dict[str, str | None]]:
+    opener = gzip.open if path.endswith(".gz") else open
+    number = 0
+    try:
+        with opener(path, "rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    yield _parse_record(line, path, number)
+    except (OSError, EOFError, zlib.error) as exc:
+        reason = f"cannot be read ({exc}), nor the rest of the file"
+        yield {"text": None, "error": f"{path} line {number + 1} {reason}"}
+
+
+def _parse_record(line: bytes, path: str, number: int) -> dict[str, str | None]:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return {"text": None, "error": f"{path} line {number} cannot be read as UTF-8 ({exc})"}
+    except json.JSONDecodeError as exc:
+        return {"text": None, "error": f"{path} line {number} is not JSON ({exc})"}
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        return {"text": None, "error": f"{path} line {number} has no 'text' string"}
+    return {"text": record["text"], "error": None}
 
 
 def shard_for_rank(documents: IterableDataset, rank: int, world_size: int) -> IterableDataset:
@@ -186,6 +237,8 @@ class PackedWindows(torch.utils.data.IterableDataset):
     def _shuffled_texts(self) -> Iterator[str | None]:
         """One epoch of documents through the shuffle buffer (``pending``)."""
         for record in self.documents:
+            if record.get("error"):  # a damaged held-out record: not part of the set
+                continue
             self.pending.append(record["text"])
             if len(self.pending) <= self.shuffle_buffer:
                 continue
@@ -279,10 +332,18 @@ class DocumentBlocks:
     """
 
     def __init__(
-        self, documents: IterableDataset, block_size: int, seed: int, shuffle: bool
+        self,
+        documents: IterableDataset,
+        block_size: int,
+        seed: int,
+        shuffle: bool,
+        max_bad_records: int = 0,
     ) -> None:
         self.documents = documents
         self.start_state = copy.deepcopy(documents.state_dict())
+        self.max_bad_records = max_bad_records
+        self.bad_records: set[str] = set()
+        self.report_bad = False
         self.block_size = block_size
         self.seed = seed
         self.shuffle = shuffle
@@ -316,6 +377,9 @@ class DocumentBlocks:
             self.cursor = None
             return
         epoch, block = int(position["epoch"]), int(position["block"])
+        if not _same_reader(position["state"], self.start_state):
+            self.cursor = None  # saved by another reader (before read_records): read up to it
+            return
         self._seek(epoch, block, position["state"])
 
     def _seek(self, epoch: int, block: int, state: object) -> None:
@@ -346,6 +410,9 @@ class DocumentBlocks:
         epoch, block = self.cursor
         texts: list[str] = []
         for record in self.iterator:
+            if record.get("error"):
+                self._skip(str(record["error"]))
+                continue
             text = record.get("text")
             if not isinstance(text, str):
                 raise UserError("a data record has no 'text' field; every JSON line needs one")
@@ -360,6 +427,29 @@ class DocumentBlocks:
         self.cursor_state = copy.deepcopy(self.documents.state_dict())
         return texts
 
+    def _skip(self, error: str) -> None:
+        """Count a damaged record once; raise DataError past ``max_bad_records``."""
+        if error in self.bad_records:
+            return
+        self.bad_records.add(error)
+        count = len(self.bad_records)
+        if count > self.max_bad_records:
+            raise DataError(
+                f"{count} damaged training records, more than --max-bad-records "
+                f"{self.max_bad_records}; the last: {error}; repair or remove the file, or raise "
+                "--max-bad-records"
+            )
+        if self.report_bad:
+            log.warning("skipped damaged training record %d: %s", count, error)
+
+
+def _same_reader(state: object, start_state: Mapping[str, object]) -> bool:
+    """Whether a saved ``datasets`` state comes from the same kind of reader as this one."""
+    if state is None:
+        return True
+    kind = state.get("examples_iterable", {}).get("type") if isinstance(state, dict) else None
+    return kind == start_state.get("examples_iterable", {}).get("type")
+
 
 def fresh_position(rank: int, world_size: int) -> dict[str, object]:
     """The data position of ``rank`` of ``world_size`` at the start of training (JSON).
@@ -368,7 +458,8 @@ def fresh_position(rank: int, world_size: int) -> dict[str, object]:
     takes positions ``next, next + world_size, ...`` of ``epoch``, which began at ``start``);
     ``queue``: ``[epoch, position]`` pairs taken first (left over by a change of world size);
     ``carry``: token ids read but not yet in a window; ``length``: documents per epoch once known;
-    ``reader``: where to read the stream again (``DocumentBlocks.position``).
+    ``reader``: where to read the stream again (``DocumentBlocks.position``); ``bad_records``:
+    the damaged records skipped so far (file and line, sorted).
     """
     return {
         "rank": rank,
@@ -380,6 +471,7 @@ def fresh_position(rank: int, world_size: int) -> dict[str, object]:
         "carry": [],
         "length": None,
         "reader": None,
+        "bad_records": [],
     }
 
 
@@ -405,10 +497,13 @@ class GlobalPackedWindows(torch.utils.data.IterableDataset):
         epochs: int = 1,
         shuffle_buffer: int = 0,
         seed: int = 0,
+        max_bad_records: int = 0,
     ) -> None:
         super().__init__()
         block = shuffle_buffer or UNSHUFFLED_BLOCK
-        self.blocks = DocumentBlocks(documents, block, seed, shuffle=shuffle_buffer > 0)
+        shuffle = shuffle_buffer > 0
+        self.blocks = DocumentBlocks(documents, block, seed, shuffle, max_bad_records)
+        self.blocks.report_bad = rank == 0
         self.tokenizer = tokenizer
         self.seq_length = seq_length
         self.epochs = epochs
@@ -418,6 +513,7 @@ class GlobalPackedWindows(torch.utils.data.IterableDataset):
         state = self.state
         self.blocks.restore(state["reader"])
         self.blocks.length = state["length"]
+        self.blocks.bad_records = set(state.get("bad_records", []))
         carry: list[int] = state["carry"]
         while (target := self._target()) is not None:
             text = self.blocks.text(*target)
@@ -459,6 +555,7 @@ class GlobalPackedWindows(torch.utils.data.IterableDataset):
             "carry": list(state["carry"]),
             "length": self.blocks.length if self.blocks.length is not None else state["length"],
             "reader": self.blocks.position() or state["reader"],
+            "bad_records": sorted(self.blocks.bad_records | set(state.get("bad_records", []))),
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -513,6 +610,7 @@ def reshard_positions(
             "carry": [t for s in states[rank::world_size] for t in s["carry"]],
             "length": length,
             "reader": _reader_before(readers, first, block_size),
+            "bad_records": sorted({b for s in states for b in s.get("bad_records", [])}),
         })  # fmt: skip
     return new
 
@@ -562,7 +660,11 @@ class TrainLoader:
             )
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self.loader)
+        """Micro-batches; raises DataError (one line) when the worker stopped on damaged data."""
+        try:
+            yield from self.loader
+        except DataError as exc:  # re-raised by DataLoader with the worker's traceback as text
+            raise DataError(str(exc).strip().splitlines()[-1].split("DataError: ", 1)[-1]) from None
 
     def state_dict(self) -> dict[str, object]:
         """``{"loader": StatefulDataLoader state}``: the position after the last batch."""
@@ -619,11 +721,19 @@ def build_train_loader(
     epochs: int = 1,
     shuffle_buffer: int = 0,
     seed: int = 0,
+    max_bad_records: int = 0,
 ) -> TrainLoader:
     """This rank's training micro-batches (int64 [batch_size, seq_length]): the global document
     order of ``GlobalPackedWindows`` (every rank reads the whole stream of ``documents``), packed
-    in a ``StatefulDataLoader`` worker. Incomplete final micro-batches are dropped."""
+    in a ``StatefulDataLoader`` worker. Incomplete final micro-batches are dropped; damaged
+    records are skipped up to ``max_bad_records`` (then DataError)."""
     windows = GlobalPackedWindows(
-        documents, tokenizer, seq_length, rank, world_size, epochs, shuffle_buffer, seed
-    )
+        documents, tokenizer, seq_length, rank, world_size, epochs, shuffle_buffer, seed,
+        max_bad_records,
+    )  # fmt: skip
     return TrainLoader(windows, batch_size, seed)
+
+
+def bad_record_count(state: Mapping[str, object]) -> int:
+    """Damaged records skipped so far, from a ``TrainLoader.state_dict()``."""
+    return len(data_position(state).get("bad_records", []))
