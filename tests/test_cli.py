@@ -10,6 +10,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -61,6 +62,46 @@ def test_bad_input_gives_one_line_and_saves_nothing(
     err = _error_line(capsys, _tiny_args(sample_data, tmp_path) + override)
     assert message in err
     assert not (tmp_path / "out").exists(), "rejected before anything is written"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["--output-dir", "{file}"], "--output-dir {file} is a file, not a folder"),
+        (["--output-dir", "{file}/out"], "--output-dir {file}/out is inside the file {file}"),
+        (["--checkpoint-dir", "{file}"], "--checkpoint-dir {file} is a file, not a folder"),
+        (["--output-dir", "/proc/out"], "--output-dir /proc/out cannot be written (/proc: "),
+        (["--tokenizer", "{empty}"], "tokenizer folder {empty} has none of tokenizer.json"),
+        (["--resume-from", "{empty}"], "{empty} is not a complete checkpoint"),
+    ],
+)
+def test_paths_that_are_not_what_they_seem_are_one_line_before_any_process_group(
+    capsys: pytest.CaptureFixture[str],
+    sample_data: Path,
+    tmp_path: Path,
+    override: list[str],
+    message: str,
+) -> None:
+    """A file where a folder belongs, an unwritable folder, a tokenizer folder without its files,
+    a resume path that is not a checkpoint."""
+    names = {"file": tmp_path / "a-file", "empty": tmp_path / "empty", "toml": tmp_path / "c.toml"}
+    names["file"].write_text("")
+    names["empty"].mkdir()
+    names["toml"].write_text('model = "nope/config.json"\n')
+    override = [part.format(**names) for part in override]
+    err = _error_line(capsys, _tiny_args(sample_data, tmp_path) + override)
+    assert message.format(**names) in err
+    assert not dist.is_initialized()
+
+
+def test_a_config_files_relative_path_that_does_not_exist_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Input paths in a config file are relative to the file: the error names the path."""
+    (tmp_path / "c.toml").write_text('model = "nope/config.json"\n')
+    err = _error_line(capsys, ["--config", str(tmp_path / "c.toml")])
+    assert f"model path {tmp_path / 'nope' / 'config.json'} does not exist" in err, err
+    assert not dist.is_initialized()
 
 
 def test_gated_model_without_token(

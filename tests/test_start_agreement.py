@@ -32,14 +32,16 @@ def _checkpoint(root: Path, step: int, run_id: str = "run-a") -> None:
     (root / "run.json").write_text(json.dumps({"run_id": run_id}))
 
 
-def _start(rank: int, world_size: int, folder: Path, **options: object) -> object:
+def _start(
+    rank: int, world_size: int, folder: Path, restarted: bool = False, **options: object
+) -> object:
     """agree_on_start with checkpoint_dir "ckpt" relative to ``folder`` (this rank's view)."""
     os.chdir(folder)
     config = TrainConfig(checkpoint_dir="ckpt", output_dir="out", **options)
     try:
-        plan = agree_on_start(config, DistEnv(rank=rank, world_size=world_size), CPU)
-    except UserError as exc:
-        return f"UserError: {exc}"
+        plan = agree_on_start(config, DistEnv(rank=rank, world_size=world_size), CPU, restarted)
+    except (UserError, RuntimeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
     return [plan.path, plan.step, plan.run_id]
 
 
@@ -64,6 +66,8 @@ def _worker(rank: int, world_size: int, base: str, tokenizer_dir: str, eval_file
         "shared": _start(rank, world_size, root / "shared"),
         "stale": _start(rank, world_size, root / f"node-{rank}"),
         "no_resume": _start(rank, world_size, root / "shared", resume=False),
+        "restarted": _start(rank, world_size, root / "shared", True, resume=False),
+        "failure": _start(rank, world_size, root / "broken"),
         "eval": _evaluate(rank, world_size, tokenizer_dir, eval_file),
     }
 
@@ -75,6 +79,9 @@ def test_start_is_decided_by_rank_0_and_checked_by_every_rank(
         _checkpoint(tmp_path / "shared" / "ckpt", step)
         _checkpoint(tmp_path / "node-0" / "ckpt", step)
     _checkpoint(tmp_path / "node-1" / "ckpt", 4)  # a stale view: step 8 is missing here
+    _checkpoint(tmp_path / "broken" / "ckpt", 3)
+    meta = tmp_path / "broken" / "ckpt" / "step-3" / "meta.json"
+    meta.write_text(json.dumps({"step": "three"}))  # a ValueError, not a UserError
     long_text = " ".join(f"word{i}" for i in range(40))
     docs = [
         long_text,
@@ -92,5 +99,12 @@ def test_start_is_decided_by_rank_0_and_checked_by_every_rank(
         assert "--checkpoint-dir on a file system shared by all nodes" in stale
         assert result["no_resume"].startswith("UserError: --no-resume: --checkpoint-dir ckpt")
     assert "(rank 1: ckpt/step-8 is not complete here)" in ranks[1]["stale"]
+    # --no-resume applies to a job's first attempt: a torchrun restart resumes its own run
+    assert ranks[0]["restarted"] == ranks[1]["restarted"] == ["ckpt/step-8", 8, "run-a"]
+    # a failure on rank 0 that is not bad input: rank 0 raises it, the others say what it was
+    assert ranks[0]["failure"].startswith("ValueError: invalid literal for int()"), ranks[0]
+    assert ranks[1]["failure"].startswith(
+        "RuntimeError: rank 0 failed deciding what to resume: ValueError: invalid literal"
+    ), ranks[1]["failure"]
     assert ranks[0]["eval"]["batches"] == ranks[1]["eval"]["batches"] == 1, ranks
     assert ranks[0]["eval"]["eval_loss"] == ranks[1]["eval"]["eval_loss"] > 0

@@ -11,6 +11,8 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from torchrun_ddp.checkpoint import StartPlan, plan_start, verify_start
+from torchrun_ddp.checkpoint import StartPlan, plan_start, read_meta, verify_start
 from torchrun_ddp.compression import (
     CompressionState,
     DemoSettings,
@@ -97,6 +99,7 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
             f"use --seq-length {limit} or less"
         )
     check_fits(config, model_config, env)
+    check_paths(config)
     check_data_error(config)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
@@ -108,6 +111,33 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         train_documents=open_documents(train_files, *hub, split="train"),
         eval_documents=open_documents(eval_files, *hub, split="validation"),
     )
+
+
+def check_paths(config: TrainConfig) -> None:
+    """Raise UserError for an output or checkpoint folder that is a file or cannot be written,
+    or a --resume-from that is not a complete checkpoint; reads only (nothing is created), so
+    it runs before the process group."""
+    check_writable_folder(Path(config.output_dir), "--output-dir")
+    check_writable_folder(checkpoint_root(config), "--checkpoint-dir")
+    if config.resume_from:
+        read_meta(Path(config.resume_from))
+
+
+def check_writable_folder(folder: Path, flag: str) -> None:
+    """Raise UserError unless ``folder`` is, or can be created as, a folder this process can
+    write: its nearest existing ancestor must be a folder in which a probe folder can be made
+    (and is removed at once)."""
+    existing = next(path for path in (folder, *folder.absolute().parents) if path.exists())
+    if not existing.is_dir():
+        what = "is a file" if existing == folder else f"is inside the file {existing}"
+        raise UserError(f"{flag} {folder} {what}, not a folder; pass a folder path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+    except OSError as exc:
+        raise UserError(
+            f"{flag} {folder} cannot be written ({existing}: {exc.strerror}); "
+            "pass a writable folder"
+        ) from exc
 
 
 DATA_ERROR_FILE = "data_error.json"

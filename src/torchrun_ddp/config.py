@@ -325,17 +325,24 @@ _PATHS = ("resume_from",)
 _PATH_LISTS = ("data_files", "eval_files")
 
 
+def _is_path(value: str) -> bool:
+    """Whether ``value`` cannot be a hub id (``namespace/name``): it starts with ``.``, ``/`` or
+    ``~``, ends in ``.json``, or has more than one ``/``."""
+    return value.startswith((".", "/", "~")) or value.endswith(".json") or value.count("/") > 1
+
+
 def resolve_input_paths(values: dict[str, object], base: Path) -> dict[str, object]:
     """Make the input paths of a config file absolute, relative to ``base`` (its folder).
 
-    ``model`` and ``tokenizer`` may be hub ids: they are resolved only when ``base / value``
-    exists. ``resume_from`` and each glob of ``data_files``/``eval_files`` are always joined to
+    ``model`` and ``tokenizer`` may be hub ids: they are resolved when ``base / value`` exists
+    or the value cannot be a hub id (``_is_path``), so a missing file is reported where it was
+    looked for. ``resume_from`` and each glob of ``data_files``/``eval_files`` are always joined to
     ``base`` unless absolute or empty. Other values pass through unchanged.
     """
     resolved = dict(values)
     for name in _PATH_OR_HUB_ID:
         value = resolved.get(name)
-        if isinstance(value, str) and value and (base / value).exists():
+        if isinstance(value, str) and value and ((base / value).exists() or _is_path(value)):
             resolved[name] = str((base / value).resolve())
     for name in _PATHS:
         value = resolved.get(name)

@@ -99,11 +99,20 @@ def check_data_file(path: str, flag: str) -> list[str]:
     return damaged
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+"""A local tokenizer folder holds at least one of these (what AutoTokenizer loads from)."""
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer from a hub id or local folder; raises UserError if it cannot be loaded."""
     looks_local = name.startswith((".", "/", "~")) or Path(name).exists()
     if looks_local and not Path(name).expanduser().is_dir():
         raise UserError(f"tokenizer folder {name} does not exist; pass an existing --tokenizer")
+    if looks_local and not any((Path(name).expanduser() / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(
+            f"tokenizer folder {name} has none of {', '.join(TOKENIZER_FILES)}; pass a folder "
+            "saved by save_pretrained as --tokenizer"
+        )
     try:
         return AutoTokenizer.from_pretrained(name)
     except OSError as exc:
