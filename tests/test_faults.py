@@ -244,3 +244,36 @@ def test_random_sigkills_each_cost_one_restart_and_end_bit_identical(
     assert ready and max(ready) < 60, context
     assert "connectFullMesh failed" not in output, context
     _assert_same_run(faulty, straight, SOAK_STEPS)
+
+
+@pytest.mark.slow
+def test_a_silent_rank_stops_the_others_after_the_training_timeout(
+    sample_data: Path, tmp_path: Path
+) -> None:
+    """Rank 1 frozen by SIGSTOP after step 3 keeps its sockets open, as after a power loss. Past
+    the first step collectives wait --train-timeout-s (5 s here), not --timeout-s (600 s): rank
+    0's all-reduce fails with gloo's 5000 ms timeout and torchrun ends the job."""
+    args = [*_args(sample_data, tmp_path / "out"), "--max-steps", "1000", "--checkpoint-every", "0"]
+    args += ["--timeout-s", "600", "--train-timeout-s", "5"]
+    log = tmp_path / "run.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            torchrun_command(args), cwd=REPO, env=subprocess_env(), stdout=sink, stderr=sink
+        )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while _step_lines(log) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        rank_1 = next(p for p in _workers(proc.pid) if b"\0RANK=1\0" in _environ(p))
+        os.kill(rank_1, signal.SIGSTOP)
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    output = log.read_text()
+    assert proc.returncode != 0
+    assert "Timed out waiting 5000ms" in output, output[-3000:]
+
+
+def _environ(pid: int) -> bytes:
+    return b"\0" + (Path("/proc") / str(pid) / "environ").read_bytes()

@@ -159,7 +159,17 @@ class TrainConfig:
     device: str = _opt(
         "auto", "auto, cpu or cuda (cuda:LOCAL_RANK).", choices=["auto", "cpu", "cuda"]
     )
-    timeout_s: int = _opt(600, "Process-group timeout in seconds.")
+    timeout_s: int = _opt(
+        600,
+        "Collective timeout in seconds for start-up (rendezvous, resume, the first step), "
+        "checkpoint writes and the final export.",
+    )
+    train_timeout_s: int = _opt(
+        120,
+        "Collective timeout in seconds once the first step has finished: how soon a rank that "
+        "is gone without closing its connections (power loss, cut link) stops the others, "
+        "so torchrun can restart. Must exceed the slowest step; 0 keeps --timeout-s.",
+    )
     threads: int = _opt(0, "torch intra-op threads per process; 0 means cores / local world size.")
     compression: str = _opt(
         "none", "Gradient compression comm hook.", choices=list(COMPRESSION_METHODS)
@@ -423,7 +433,7 @@ _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "tim
 _POSITIVE += ("keep_checkpoints", "compression_topk", "powersgd_rank", "ddp_bucket_cap_mb")
 _NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_lr")
 _NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every", "compression_start_step")
-_NON_NEGATIVE += ("max_bad_records",)
+_NON_NEGATIVE += ("max_bad_records", "train_timeout_s")
 _NON_NEGATIVE += ("device_memory_gib",)
 _POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit", "plan_tflops")
 _POSITIVE += ("plan_gpus_per_node",)

@@ -23,7 +23,8 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -228,7 +229,31 @@ def new_node_groups(env: DistEnv) -> NodeGroups:
     inter, _ = dist.new_subgroups_by_enumeration(
         [list(range(local, env.world_size, per_node)) for local in range(per_node)]
     )
+    _GROUPS.extend((intra, inter))
     return NodeGroups(intra=intra, inter=inter, local_world_size=per_node, nodes=nodes)
+
+
+_GROUPS: list[dist.ProcessGroup] = []
+"""Process groups created besides the default one (``set_collective_timeout`` reaches them)."""
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """Timeout of every later collective on the default group and this project's other groups
+    (``torch.distributed.set_timeout``; gloo and NCCL). A rank that is gone without closing its
+    connections is noticed after this long."""
+    for group in [None, *_GROUPS]:
+        dist.set_timeout(timedelta(seconds=seconds), group)
+
+
+@contextmanager
+def collective_timeout(seconds: int, then: int) -> Iterator[None]:
+    """Collectives inside the block time out after ``seconds``, those after it after ``then``
+    (for work whose length varies by rank, such as checkpoint writes to a shared file system)."""
+    set_collective_timeout(seconds)
+    try:
+        yield
+    finally:
+        set_collective_timeout(then)
 
 
 def seconds_since_process_start() -> float:
@@ -247,6 +272,7 @@ _IMPORTED = time.monotonic()
 
 def shutdown_distributed() -> None:
     """Destroy the process group if one exists; safe to call on every exit path."""
+    _GROUPS.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

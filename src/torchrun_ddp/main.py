@@ -40,9 +40,11 @@ from torchrun_ddp.config import TrainConfig, save_config
 from torchrun_ddp.distributed import (
     DistEnv,
     StopRequest,
+    collective_timeout,
     init_distributed,
     pick_device,
     seconds_since_process_start,
+    set_collective_timeout,
     setup_logging,
     shutdown_distributed,
 )
@@ -126,12 +128,15 @@ def train(trainer: Trainer) -> bool:
     if trainer.step == 0 and config.eval_every:
         trainer.metrics.log({"step": 0, **evaluate(trainer)})  # the untrained baseline
     trainer.model.train()
+    first_step = trainer.step + 1
     with StopRequest() as stop:
         data_ends, stopping = check_in(trainer, max_steps, stop.requested)
         while trainer.step < max_steps and not data_ends:
             started = time.perf_counter()
             loss, grad_norm = optimizer_step(trainer, trainer.data.next_step())
             trainer.step += 1
+            if trainer.step == first_step:  # start-up is over: notice a lost rank sooner
+                set_collective_timeout(train_timeout_s(config))
             trainer.tokens_seen += trainer.window.tokens_per_step
             step_time = time.perf_counter() - started
             trainer.window.add(loss, grad_norm, step_time, trainer.compression.pop_step_bytes())
@@ -139,7 +144,7 @@ def train(trainer: Trainer) -> bool:
             if is_log_step(trainer.step, config.log_every, max_steps):
                 data_ends, stopping = check_in(trainer, max_steps, stop.requested, progress)
             if stopping:
-                save(trainer)
+                save_checkpoint(trainer)
                 log.warning("stopped by a signal: checkpoint saved at step %d", trainer.step)
                 return False
             after_step(trainer)
@@ -220,7 +225,7 @@ def after_step(trainer: Trainer) -> None:
     if config.eval_every and step % config.eval_every == 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
     if config.checkpoint_every and step % config.checkpoint_every == 0:
-        save(trainer)
+        save_checkpoint(trainer)
 
 
 def finish(trainer: Trainer) -> None:
@@ -229,6 +234,19 @@ def finish(trainer: Trainer) -> None:
     if config.eval_every == 0 or step % config.eval_every != 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
     if config.checkpoint_every == 0 or step % config.checkpoint_every != 0:
+        save_checkpoint(trainer)
+
+
+def train_timeout_s(config: TrainConfig) -> int:
+    """The collective timeout after the first step: --train-timeout-s, or --timeout-s for 0."""
+    return config.train_timeout_s or config.timeout_s
+
+
+def save_checkpoint(trainer: Trainer) -> None:
+    """``training_state.save`` under the start-up timeout (--timeout-s): a rank's write to a
+    slow shared file system may take longer than a training step's collectives may wait."""
+    config = trainer.config
+    with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
         save(trainer)
 
 
@@ -266,7 +284,9 @@ def evaluate(trainer: Trainer) -> Record:
 def save_final_model(trainer: Trainer) -> None:
     """Rank 0 writes ``<output_dir>/final_model`` (``model.export_final_model``); all ranks
     wait for it."""
-    if trainer.env.is_main:
-        output, lora = Path(trainer.config.output_dir), trainer.config.peft == "lora"
-        export_final_model(trainer.model.module, trainer.tokenizer, output, lora)
-    dist.barrier()
+    config = trainer.config
+    with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
+        if trainer.env.is_main:
+            output, lora = Path(config.output_dir), config.peft == "lora"
+            export_final_model(trainer.model.module, trainer.tokenizer, output, lora)
+        dist.barrier()
