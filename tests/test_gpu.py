@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import REPO, subprocess_env, torchrun
+from distributed_harness import REPO, subprocess_env, torchrun, torchrun_command
 from test_end_to_end import e2e_args
 
 pytestmark = [
@@ -41,3 +41,20 @@ def test_llama2_7b_dry_run_plans_for_the_visible_gpu() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "6,738,415,616 parameters" in result.stdout
     assert f"x {gib:g} GiB" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL group of 2 needs 2 GPUs")
+def test_nccl_restarts_reconnect_once_per_fault(sample_data: Path, tmp_path: Path) -> None:
+    """Two SIGKILLs under torchrun's shared store with --max-restarts 2 (NCCL's unique ids live
+    in that store too, pytorch/pytorch#167288): each costs one restart, and the run resumes."""
+    faults = "step:1:3,step:0:5"
+    extra = ("--device", "cuda", "--backend", "nccl", "--max-steps", "8", "--checkpoint-every", "2")
+    args = e2e_args(sample_data, tmp_path, *extra)
+    command = torchrun_command(args, nproc=2, extra=("--max-restarts=2",))
+    env = {**subprocess_env(), "TORCHRUN_DDP_FAULT": faults}
+    result = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert output.count("resumed from") == 2, output[-4000:]
