@@ -20,6 +20,12 @@ MAX_RESTARTS="${MAX_RESTARTS:-3}"
 # Seconds to wait for all nodes at a (re)start: long enough for a restarted node to come back.
 RDZV_TIMEOUT="${RDZV_TIMEOUT:-900}"
 
+# The workers keep each attempt's process groups under a key prefix of its own, so restarts
+# reconnect with torchrun's shared store too. Elastic membership changes (NNODES=MIN:MAX) still
+# need a store per rendezvous round: with the shared one, torch 2.15's agents time out in their
+# own round after a node joins (tests/test_elastic.py), so run.sh asks for one.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+
 if command -v uv >/dev/null 2>&1; then
   TORCHRUN=(uv run torchrun)
 else

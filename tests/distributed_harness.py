@@ -42,10 +42,12 @@ def torchrun_command(
     ]  # fmt: skip
 
 
-def subprocess_env() -> dict[str, str]:
+def subprocess_env(shared_store: bool = True) -> dict[str, str]:
     """The environment for training subprocesses: offline hub, unbuffered output; torchrun's
-    own defaults otherwise (its agent's store shared with the workers across restarts)."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    agent store shared with the workers across restarts (its default) unless ``shared_store``
+    is False, which gives a store per rendezvous round as run.sh does for elastic jobs."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return env if shared_store else {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def torchrun(args: list[str], nproc: int = 2, **options: object) -> subprocess.CompletedProcess:

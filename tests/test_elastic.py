@@ -113,7 +113,7 @@ def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) ->
 
     def start(log: Path) -> subprocess.Popen:
         proc = subprocess.Popen(
-            command, cwd=REPO, env=subprocess_env(), stdout=log.open("w"),
+            command, cwd=REPO, env=subprocess_env(shared_store=False), stdout=log.open("w"),
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         procs.append(proc)
