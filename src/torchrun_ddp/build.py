@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from torchrun_ddp.architecture import matmul_parameter_count, model_flops_per_token
 from torchrun_ddp.checkpoint import StartPlan, plan_start, verify_start
 from torchrun_ddp.compression import (
     CompressionState,
@@ -37,7 +38,6 @@ from torchrun_ddp.distributed import DistEnv, new_node_groups
 from torchrun_ddp.dry_run import check_fits
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.lookahead import LookaheadBatches
-from torchrun_ddp.memory_plan import matmul_parameter_count, model_flops_per_token
 from torchrun_ddp.metrics import (
     LogWindow,
     MetricsLogger,
@@ -255,7 +255,7 @@ def build_trainer_optimizer(
 def flops_per_token(
     model: torch.nn.Module, model_config: PretrainedConfig, config: TrainConfig
 ) -> float:
-    """Training FLOPs per token at ``config.seq_length`` (``memory_plan.model_flops_per_token``,
+    """Training FLOPs per token at ``config.seq_length`` (``architecture.model_flops_per_token``,
     PaLM appendix B), over the matmul parameters a token passes through (a mixture of experts
     runs some experts); under --peft lora the base is frozen (4 FLOPs per parameter) and only
     the adapters train (6). 0 for sizes a config does not name."""
