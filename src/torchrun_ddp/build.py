@@ -23,7 +23,11 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from torchrun_ddp.architecture import matmul_parameter_count, model_flops_per_token
+from torchrun_ddp.architecture import (
+    matmul_parameter_count,
+    model_flops_per_token,
+    parameter_count,
+)
 from torchrun_ddp.checkpoint import StartPlan, plan_start, verify_start
 from torchrun_ddp.compression import (
     CompressionState,
@@ -53,7 +57,6 @@ from torchrun_ddp.model import (
     load_model_config,
     lora_settings,
     max_positions,
-    parameter_count,
     trainable_parameter_sizes,
     wrap_ddp,
 )
