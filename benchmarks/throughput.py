@@ -5,7 +5,7 @@ settings interleaved round by round (``--repeats``) so slow drifts of the machin
 alike, and prints a Markdown table: median tokens/s and step time after the warm-up steps, MFU,
 the 2-process scaling efficiency and the training loss at the last step.
 
-MFU is the model's training FLOPs per token (6N plus attention, ``memory_plan``) times tokens/s,
+MFU is the model's training FLOPs per token (6N plus attention, ``architecture``) times tokens/s,
 over the matmul peak of the compute dtype (fp32 for fp32, bf16 for bf16-mixed) that this script
 measures at start with one thread on 2048 x 2048 matrices, times the threads in use (processes x
 threads). Scaling efficiency is a 2-process setting's tokens/s over twice the tokens/s of the
@@ -46,7 +46,7 @@ from common import (
     wait_all,
 )
 
-from torchrun_ddp.memory_plan import matmul_parameter_count, meta_model, model_flops_per_token
+from torchrun_ddp.architecture import matmul_parameter_count, meta_model, model_flops_per_token
 from torchrun_ddp.metrics import measure_cpu_peak_flops
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from distributed_harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
+from torchrun_ddp.architecture import llama2_7b_config
 from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
 from torchrun_ddp.compression import (
     CompressionState,
@@ -32,7 +33,7 @@ from torchrun_ddp.compression import (
 from torchrun_ddp.compression.demo import tile_codec
 from torchrun_ddp.config import parse_config
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.memory_plan import PlanSettings, llama2_7b_config, plan_memory
+from torchrun_ddp.memory_plan import PlanSettings, plan_memory
 from torchrun_ddp.optimizer import parameter_groups
 
 WORLD = 2

@@ -14,6 +14,17 @@ from tiny_models import TINY_MODELS, tiny_model_path
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
+from torchrun_ddp.architecture import (
+    active_parameter_count,
+    architecture,
+    llama2_7b_config,
+    matmul_parameter_count,
+    meta_model,
+    missing_sizes,
+    model_flops_per_token,
+    parameter_count,
+    parameter_sizes,
+)
 from torchrun_ddp.compression import CompressionSettings
 from torchrun_ddp.compression.plan import (
     Topology,
@@ -27,22 +38,12 @@ from torchrun_ddp.config import TrainConfig, parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import check_fits, communication_plan, plan_run, trained_shapes
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.memory_fit import comparison_table, suggestions
 from torchrun_ddp.memory_plan import (
     GIB,
     PlanSettings,
     activation_estimate,
-    active_parameter_count,
-    architecture,
-    comparison_table,
-    llama2_7b_config,
-    matmul_parameter_count,
-    meta_model,
-    missing_sizes,
-    model_flops_per_token,
-    parameter_count,
-    parameter_sizes,
     plan_memory,
-    suggestions,
     zero_shard,
 )
 from torchrun_ddp.model import LoraSettings, apply_lora, trainable_parameter_sizes

@@ -25,6 +25,11 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from torchrun_ddp.architecture import (
+    matmul_parameter_count,
+    model_flops_per_token,
+    parameter_count,
+)
 from torchrun_ddp.checkpoint import StartPlan, plan_start, read_meta, verify_start
 from torchrun_ddp.compression import (
     CompressionState,
@@ -39,7 +44,6 @@ from torchrun_ddp.distributed import DistEnv, new_node_groups
 from torchrun_ddp.dry_run import check_fits
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.lookahead import LookaheadBatches
-from torchrun_ddp.memory_plan import matmul_parameter_count, model_flops_per_token
 from torchrun_ddp.metrics import (
     LogWindow,
     MetricsLogger,
@@ -55,7 +59,6 @@ from torchrun_ddp.model import (
     load_model_config,
     lora_settings,
     max_positions,
-    parameter_count,
     trainable_parameter_sizes,
     wrap_ddp,
 )
@@ -322,7 +325,7 @@ def build_trainer_optimizer(
 def flops_per_token(
     model: torch.nn.Module, model_config: PretrainedConfig, config: TrainConfig
 ) -> float:
-    """Training FLOPs per token at ``config.seq_length`` (``memory_plan.model_flops_per_token``,
+    """Training FLOPs per token at ``config.seq_length`` (``architecture.model_flops_per_token``,
     PaLM appendix B), over the matmul parameters a token passes through (a mixture of experts
     runs some experts); under --peft lora the base is frozen (4 FLOPs per parameter) and only
     the adapters train (6). 0 for sizes a config does not name."""

@@ -1,9 +1,9 @@
 """Before a run: the per-rank memory and FLOP plan, the communication plan (--dry-run), and the
 fit check that refuses a run that would not fit the device.
 
-Composes ``memory_plan`` (meta-device model, memory rows), ``compression.plan`` (wire bytes and
-link time per method) and ``model``'s LoRA on the meta device; nothing is allocated or
-downloaded.
+Composes ``architecture`` (meta-device model, sizes, FLOPs), ``memory_plan`` (memory rows),
+``memory_fit`` (setting changes that fit), ``compression.plan`` (wire bytes and link time per
+method) and ``model``'s LoRA on the meta device; nothing is allocated or downloaded.
 """
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ import math
 import torch
 from transformers import PretrainedConfig
 
+from torchrun_ddp.architecture import (
+    llama2_7b_config,
+    matmul_parameter_count,
+    meta_model,
+    missing_sizes,
+    parameter_sizes,
+)
 from torchrun_ddp.compression import compression_settings
 from torchrun_ddp.compression.plan import (
     Topology,
@@ -27,17 +34,8 @@ from torchrun_ddp.compression.settings import TOPK_VALUE_DTYPES
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.memory_plan import (
-    MemoryPlan,
-    PlanSettings,
-    llama2_7b_config,
-    matmul_parameter_count,
-    meta_model,
-    missing_sizes,
-    parameter_sizes,
-    plan_memory,
-    suggestions,
-)
+from torchrun_ddp.memory_fit import suggestions
+from torchrun_ddp.memory_plan import MemoryPlan, PlanSettings, plan_memory
 from torchrun_ddp.model import (
     apply_lora,
     load_model_config,

@@ -1,7 +1,8 @@
 """Dry-run memory and FLOP plan for DDP training of a causal LM: bytes per rank, before a run.
 
-Everything here is byte arithmetic over the architecture; the only model ever built is a
-meta-device one (no storage) to count parameters. The plan is an estimate, not a measurement:
+Everything here is byte arithmetic over the architecture (``architecture.Architecture``, read
+from the model config; parameters counted on a meta-device model). The plan is an estimate, not
+a measurement:
 
 - Persistent state per rank: weights, DDP's gradient buckets and the AdamW moments (sharded by
   ``ZeroRedundancyOptimizer`` under zero1), plus a fixed overhead the caller can set (the CUDA
@@ -21,31 +22,31 @@ a few percent above allocated), evaluation, checkpoint saving, and the first ste
 its state lazily, so step 1 peaks lower).
 
 Architectures: the activation and autocast rows are derived for the LLaMA decoder layer
-(``LLAMA_LAYOUT``: LLaMA, Mistral, Qwen2). Other causal LMs are planned from the same formula with
-their own sizes (FFN width, two-matrix GELU MLPs, tied embeddings, mixture-of-experts widths) and
-those rows are marked approximate; weights, gradients, buckets and optimizer state are counted
-exactly from the meta-device model for every architecture. LoRA (``PlanSettings.adapter_sizes``):
-frozen base weights (bf16, or fp32 under fp32), fp32 adapters with their gradients and AdamW
-moments; activations are full fine-tuning's estimate for a bf16 residual stream (approximate:
-frozen linears save less, adapters add rank-wide tensors).
+(``architecture.LLAMA_LAYOUT``: LLaMA, Mistral, Qwen2). Other causal LMs are planned from the
+same formula with their own sizes and those rows are marked approximate; weights, gradients,
+buckets and optimizer state are counted exactly for every architecture. LoRA
+(``PlanSettings.adapter_sizes``): frozen base weights (bf16, or fp32 under fp32), fp32 adapters
+with their gradients and AdamW moments; activations are full fine-tuning's estimate for a bf16
+residual stream (approximate: frozen linears save less, adapters add rank-wide tensors).
+Which setting changes make a plan fit, and several plans side by side: ``memory_fit``. This
+module stays a little over 500 lines on purpose: the settings, the byte tables, the activation
+derivation and the plan (full and LoRA) are one calculation, read top to bottom.
 
 Sources: DDP buckets, https://pytorch.org/docs/stable/notes/ddp.html; ZeRO stage 1, Rajbhandari
 et al. 2020 and ``torch.distributed.optim.ZeroRedundancyOptimizer``; activation accounting in
 the style of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models"), redone for transformers' ``LlamaDecoderLayer`` with SDPA attention; FLOPs, Kaplan et
-al. 2020 and Chowdhery et al. 2022 (PaLM), appendix B.
+Models"), redone for transformers' ``LlamaDecoderLayer`` with SDPA attention.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
+from torchrun_ddp.architecture import Architecture, architecture, model_flops_per_token
 from torchrun_ddp.errors import UserError
 
 GIB = 2**30
@@ -60,226 +61,6 @@ DEFAULT_OVERHEAD_GIB = 1.0
 0.5 GiB on an H100 with lazy module loading) plus NCCL communicator buffers and cuBLAS workspaces
 (about 0.5 GiB). An assumption, not a measurement: pass 0 to compare with
 ``torch.cuda.max_memory_allocated``, or a measured process baseline for CPU resident memory."""
-
-LLAMA2_7B: dict[str, int | float | str | bool] = {
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "use_cache": False,
-}
-"""LlamaConfig fields of LLaMA-2-7B (Touvron et al. 2023, the ``meta-llama/Llama-2-7b-hf``
-config), carried by the package so the plan needs neither the hub nor HF_TOKEN."""
-
-
-def llama2_7b_config() -> LlamaConfig:
-    """The LLaMA-2-7B architecture as a ``LlamaConfig`` (6,738,415,616 parameters)."""
-    return LlamaConfig(**LLAMA2_7B)
-
-
-def meta_model(config: PretrainedConfig) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_config(config)`` built on the meta device: parameters have
-    shapes and dtypes (fp32) but no storage, so a 7B model costs no memory and well under a
-    second."""
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def parameter_count(model: torch.nn.Module) -> int:
-    """Number of parameters (elements) in ``model``; works on meta-device models."""
-    return sum(p.numel() for p in model.parameters())
-
-
-def parameter_sizes(model: torch.nn.Module) -> list[int]:
-    """Element count of each parameter tensor, for ZeroRedundancyOptimizer's partition."""
-    return [p.numel() for p in model.parameters()]
-
-
-def model_flops_per_token(
-    parameters: int, layers: int, hidden: int, seq_length: int, frozen: int = 0
-) -> float:
-    """Training FLOPs per token, forward plus backward: ``6 N + 4 F + 12 L H T``.
-
-    ``N`` (``parameters``) counts the trained parameters that take part in a matmul
-    (``matmul_parameter_count``: no looked-up embedding tables). ``6 N``: two FLOPs per such
-    parameter per token for the forward matmuls, four for the backward (input and weight
-    gradients). ``F`` (``frozen``): frozen matmul parameters, such as a LoRA base model, cost
-    the forward and the input gradient only, ``4 F``. ``12 L H T``: the
-    attention scores and weighted sum over ``T`` positions in each of ``L`` layers of width ``H``
-    (no causal halving). Chowdhery et al. 2022 (PaLM), appendix B; the same formula as the training
-    metrics use. Checked against ``torch.utils.flop_counter.FlopCounterMode`` in the tests.
-    """
-    return 6.0 * parameters + 4.0 * frozen + 12.0 * layers * hidden * seq_length
-
-
-LLAMA_LAYOUT = ("llama", "mistral", "qwen2")
-"""``model_type``s whose decoder layer is LLaMA's (RMSNorm, q/k/v/o, gated SiLU MLP): the layout
-the activation and autocast rows are derived for."""
-
-UNGATED_MLP = ("gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "phi", "falcon", "bloom")
-"""``model_type``s whose MLP has two matrices (up, activation, down) instead of LLaMA's three."""
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """The sizes of a decoder-only transformer the plan needs (from a transformers config).
-
-    ``intermediate`` is the FFN width of one expert (of the dense MLP when ``experts`` is 1);
-    ``experts_per_token`` experts run per token, plus ``shared_intermediate`` of a shared expert
-    (Qwen2-MoE). ``exact`` is False outside ``LLAMA_LAYOUT``: activations and autocast copies are
-    then approximate.
-    """
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    max_positions: int
-    tied_embeddings: bool
-    ffn_matrices: int = 3
-    experts: int = 1
-    experts_per_token: int = 1
-    shared_intermediate: int = 0
-    exact: bool = True
-
-    @property
-    def active_intermediate(self) -> int:
-        """FFN width a token passes through: its experts' widths plus the shared expert's."""
-        return self.experts_per_token * self.intermediate + self.shared_intermediate
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the query projection and of the attention output: heads x head_dim."""
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of the key and value projections: kv_heads x head_dim (smaller under GQA)."""
-        return self.kv_heads * self.head_dim
-
-    def layer_linear_parameters(self) -> int:
-        """Weights of one decoder layer's linear maps, in elements: LLaMA's seven bias-free
-        ``nn.Linear`` (q, k, v, o, gate, up, down); two MLP matrices for ungated MLPs; every
-        expert's MLP and the router for mixtures of experts."""
-        attention = self.hidden * (2 * self.q_dim + 2 * self.kv_dim)
-        ffn = self.ffn_matrices * self.hidden * (self.experts * self.intermediate)
-        ffn += self.ffn_matrices * self.hidden * self.shared_intermediate
-        router = self.experts * self.hidden if self.experts > 1 else 0
-        return attention + ffn + router
-
-    def parameter_sizes(self) -> list[int]:
-        """Element counts of ``LlamaForCausalLM``'s parameters in module order (embedding,
-        layers, final norm, lm_head unless tied)."""
-        layer = [self.hidden * self.q_dim, self.hidden * self.kv_dim, self.hidden * self.kv_dim]
-        layer += [self.q_dim * self.hidden] + [self.hidden * self.intermediate] * 3
-        layer += [self.hidden, self.hidden]
-        head = [] if self.tied_embeddings else [self.vocab * self.hidden]
-        return [self.vocab * self.hidden, *layer * self.layers, self.hidden, *head]
-
-
-_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
-"""Sizes every decoder-only config has (transformers maps GPT-2's n_layer, n_embd, n_head)."""
-
-
-def missing_sizes(config: PretrainedConfig) -> list[str]:
-    """The sizes of ``_REQUIRED`` that ``config`` lacks; [] when the plan can be made."""
-    return [name for name in _REQUIRED if not getattr(config, name, None)]
-
-
-def _ffn_sizes(config: PretrainedConfig) -> dict[str, int]:
-    """FFN width per expert, expert counts and shared-expert width of any causal LM config.
-
-    Dense: ``intermediate_size``, else GPT-2's ``n_inner``, else 4 x hidden (GPT-2's default).
-    Mixture of experts: ``num_local_experts`` (Mixtral) or ``num_experts`` (Qwen2-MoE) experts of
-    ``moe_intermediate_size`` (else ``intermediate_size``), ``num_experts_per_tok`` per token, and
-    ``shared_expert_intermediate_size``.
-    """
-    hidden = int(config.hidden_size)
-    dense = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    if not experts or int(experts) <= 1:
-        return {"intermediate": int(dense or 4 * hidden)}
-    width = getattr(config, "moe_intermediate_size", None) or dense or 4 * hidden
-    return {
-        "intermediate": int(width),
-        "experts": int(experts),
-        "experts_per_token": int(getattr(config, "num_experts_per_tok", None) or 1),
-        "shared_intermediate": int(getattr(config, "shared_expert_intermediate_size", None) or 0),
-    }
-
-
-def architecture(config: PretrainedConfig) -> Architecture:
-    """Read the decoder sizes from a causal LM config (LLaMA, GPT-2, Mistral, Qwen2, MoE, ...).
-
-    Raises UserError when a size of ``_REQUIRED`` is missing (not a decoder-only transformer
-    config); callers that must not refuse a run check ``missing_sizes`` first.
-    """
-    missing = missing_sizes(config)
-    if missing:
-        raise UserError(
-            f"model config lacks {', '.join(missing)}; the memory plan needs a decoder-only "
-            "transformer config (hidden size, layers, attention heads, vocabulary)"
-        )
-    heads = int(config.num_attention_heads)
-    model_type = str(getattr(config, "model_type", ""))
-    ungated = model_type in UNGATED_MLP or not hasattr(config, "intermediate_size")
-    return Architecture(
-        layers=int(config.num_hidden_layers),
-        hidden=int(config.hidden_size),
-        heads=heads,
-        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
-        vocab=int(config.vocab_size),
-        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
-        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        ffn_matrices=2 if ungated else 3,
-        exact=model_type in LLAMA_LAYOUT,
-        **_ffn_sizes(config),
-    )
-
-
-def active_parameter_count(model: torch.nn.Module, config: PretrainedConfig) -> int:
-    """Parameters one token passes through, for FLOPs: all of them in a dense model; in a mixture
-    of experts, each expert parameter (names with ``.experts.``, e.g. Mixtral's 3-D
-    ``mlp.experts.gate_up_proj``) counts ``experts_per_token / experts`` of itself."""
-    ffn = _ffn_sizes(config)
-    share = ffn.get("experts_per_token", 1) / ffn.get("experts", 1)
-    total = 0.0
-    for name, param in model.named_parameters():
-        total += param.numel() * (share if ".experts." in name else 1.0)
-    return round(total)
-
-
-def matmul_parameter_count(model: torch.nn.Module, config: PretrainedConfig) -> int:
-    """The ``N`` of the training-FLOPs formula: parameters that take part in a matmul per token.
-
-    ``active_parameter_count`` (mixture-of-experts share applied) less every embedding table that
-    is only looked up, not multiplied: the input embedding unless it is tied to the output head,
-    and learned position embeddings (GPT-2's ``wpe``). Chowdhery et al. 2022 (PaLM), appendix B,
-    count non-embedding parameters; the output head is a matmul and counts. Norm weights and
-    biases (vectors) are left in: they are under 0.1% of a model's parameters.
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_weight = getattr(head, "weight", None)
-    lookups = sum(
-        module.weight.numel()
-        for module in model.modules()
-        if isinstance(module, torch.nn.Embedding) and module.weight is not head_weight
-    )
-    return active_parameter_count(model, config) - lookups
 
 
 @dataclass(frozen=True)
@@ -743,149 +524,3 @@ def _phases(plan: MemoryPlan, act: ActivationEstimate, copies_backward: int) -> 
         "end of backward": persistent + plan.gradients + act.layer + plan.compression_buffers,
         "optimizer step": persistent + plan.gradients + plan.optimizer_step_temporaries,
     }
-
-
-_FLAGS: dict[str, Callable[[PlanSettings], PlanSettings | None]] = {
-    "--precision bf16-mixed": lambda s: (
-        replace(s, precision="bf16-mixed") if s.precision == "fp32" else None
-    ),
-    "--precision bf16": lambda s: replace(s, precision="bf16") if s.precision != "bf16" else None,
-    "--zero1": lambda s: None if s.zero1 or s.optimizer == "demo" else replace(s, zero1=True),
-    "--activation-checkpointing": lambda s: (
-        None if s.activation_checkpointing else replace(s, activation_checkpointing=True)
-    ),
-    "--gradient-as-bucket-view": lambda s: (
-        None if s.gradient_as_bucket_view else replace(s, gradient_as_bucket_view=True)
-    ),
-}
-"""Setting changes ``suggestions`` tries: each returns the changed settings, or None when the
-change does not apply (already on)."""
-
-MAX_WORLD_SIZE = 1024
-"""The largest number of ranks ``suggestions`` proposes."""
-
-
-def _variants(base: PlanSettings, names: Sequence[str]) -> list[PlanSettings]:
-    """Settings with the flags in ``names`` applied, times the micro-batches (halving to 1,
-    largest first) and world sizes (doubling up to MAX_WORLD_SIZE, smallest first) named."""
-    settings: PlanSettings | None = base
-    for name in names:
-        if name in _FLAGS and settings is not None:
-            settings = _FLAGS[name](settings)
-    if settings is None:
-        return []
-    micro = [base.micro_batch]
-    if "smaller micro-batch" in names:
-        micro = [base.micro_batch >> k for k in range(1, base.micro_batch.bit_length())]
-    worlds = [base.world_size]
-    if "more GPUs" in names:
-        worlds = [base.world_size << k for k in range(1, 11)]
-        worlds = [w for w in worlds if w <= MAX_WORLD_SIZE]
-    return [replace(settings, world_size=w, micro_batch=m) for w in worlds for m in micro]
-
-
-def _label(base: PlanSettings, names: Sequence[str], settings: PlanSettings) -> str:
-    """``--precision bf16-mixed + --zero1 + --batch-size 2 (accumulate 2x to keep tokens per
-    step)``: the trainer's flags."""
-    parts = [name for name in names if name in _FLAGS]
-    if settings.micro_batch != base.micro_batch:
-        factor = base.micro_batch // settings.micro_batch
-        parts.append(
-            f"--batch-size {settings.micro_batch} (--accumulation-steps x{factor} keeps the "
-            "tokens per step)"
-        )
-    if settings.world_size != base.world_size:
-        parts.append(f"{settings.world_size} GPUs")
-    return " + ".join(parts)
-
-
-def suggestions(
-    config: PretrainedConfig,
-    parameters: int,
-    settings: PlanSettings,
-    parameter_sizes: Sequence[int] | None = None,
-) -> list[str]:
-    """Changes of settings that make a plan which does not fit, fit; [] when it already fits.
-
-    Tries every combination of bf16-mixed or bf16, zero1, activation checkpointing,
-    ``gradient_as_bucket_view``, a smaller micro-batch and more GPUs, re-planning each, and keeps
-    the minimal ones (no fitting combination is a subset of another), fewest changes first, each
-    as ``<changes>: <total> GiB of <device> GiB per rank (<headroom>)``. When nothing fits, says
-    so: DDP replicates the weights and gradients on every rank.
-    """
-    if plan_memory(config, parameters, settings, parameter_sizes).fits:
-        return []
-    options = [*_FLAGS, "smaller micro-batch", "more GPUs"]
-    found: list[tuple[frozenset[str], str]] = []
-    for count in range(1, len(options) + 1):
-        for names in itertools.combinations(options, count):
-            if any(chosen <= set(names) for chosen, _ in found):
-                continue
-            line = _first_fit(config, parameters, settings, names, parameter_sizes)
-            if line:
-                found.append((frozenset(names), line))
-    if found:
-        return [line for _, line in found]
-    return [_nothing_fits(config, parameters, settings, parameter_sizes)]
-
-
-def _first_fit(
-    config: PretrainedConfig,
-    parameters: int,
-    base: PlanSettings,
-    names: Sequence[str],
-    sizes: Sequence[int] | None,
-) -> str:
-    """The first variant of ``names`` that fits, described; "" when none does."""
-    if "--precision bf16-mixed" in names and "--precision bf16" in names:
-        return ""
-    for settings in _variants(base, names):
-        plan = plan_memory(config, parameters, settings, sizes)
-        if plan.fits:
-            total = f"{plan.total / GIB:.1f} GiB of {settings.device_memory_gib:g} GiB per rank"
-            return f"{_label(base, names, settings)}: {total} ({plan.verdict()})"
-    return ""
-
-
-def _nothing_fits(
-    config: PretrainedConfig, parameters: int, base: PlanSettings, sizes: Sequence[int] | None
-) -> str:
-    """Why no combination fits: the smallest plan and its replicated floor."""
-    smallest = replace(
-        base,
-        precision="bf16",
-        zero1=True,
-        activation_checkpointing=True,
-        gradient_as_bucket_view=True,
-        micro_batch=1,
-        world_size=MAX_WORLD_SIZE,
-    )
-    plan = plan_memory(config, parameters, smallest, sizes)
-    floor = (plan.weights + plan.gradients) / GIB
-    return (
-        f"no combination fits in {base.device_memory_gib:g} GiB: even bf16 + zero1 + activation "
-        f"checkpointing + gradient_as_bucket_view at micro-batch 1 on {MAX_WORLD_SIZE} GPUs "
-        f"needs {plan.total / GIB:.1f} GiB per rank, because DDP replicates the weights and "
-        f"gradients ({floor:.1f} GiB) on every rank; shard them (FSDP / ZeRO-3) or use GPUs "
-        "with more memory"
-    )
-
-
-def comparison_table(plans: Sequence[MemoryPlan]) -> str:
-    """Several plans side by side as a Markdown table, GiB per rank (for a README)."""
-    lines = [
-        "| setting | GPUs | micro-batch x seq | weights + grads + buckets | optimizer state "
-        "| activations | peak total | verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for plan in plans:
-        s = plan.settings
-        name = s.describe().split(",")[0]
-        replicated = (plan.weights + plan.gradients + plan.ddp_buckets) / GIB
-        lines.append(
-            f"| {name} | {s.world_size} x {s.device_memory_gib:g} GiB "
-            f"| {s.micro_batch} x {s.seq_length} | {replicated:.1f} "
-            f"| {plan.optimizer_state / GIB:.1f} | {plan.activations / GIB:.1f} "
-            f"| {plan.total / GIB:.1f} | {plan.verdict()} |"
-        )
-    return "\n".join(lines)

@@ -284,11 +284,6 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def parameter_count(model: torch.nn.Module) -> int:
-    """Number of parameters (elements) in ``model``."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def lora_settings(config: TrainConfig) -> LoraSettings:
     """The LoRA hyperparameters of the run's config."""
     return LoraSettings(

@@ -1,10 +1,10 @@
 """What a checkpoint holds and how a run resumes from it, at its own or another world size.
 
-The wiring between the trainer's pieces and ``checkpoint.py``: which state is the same on every
-rank (model, optimizer, schedule: DCP), which is per rank (data position, error feedback, RNG:
-JSON + safetensors), which is sharded (ZeRO-1 optimizer state by parameter: DCP, reshardable),
-and what a checkpoint must match to be resumed (``run_identity``). Like main.py, it composes the
-components.
+The wiring between the trainer's pieces and the ``checkpoint`` package: which state is the same
+on every rank (model, optimizer, schedule: DCP), which is per rank (data position, error feedback,
+RNG: JSON + safetensors), which is sharded (ZeRO-1 optimizer state by parameter: DCP,
+reshardable), and what a checkpoint must match to be resumed (``run_identity``). Like main.py, it
+composes the components.
 """
 
 from __future__ import annotations

@@ -1,0 +1,278 @@
+"""Saving and loading one checkpoint, collectively: what goes through DCP, what into JSON and
+per-rank files, and the checks that a checkpoint matches the run loading it.
+
+A checkpoint is the folder ``<root>/step-<N>/`` (``N`` = optimizer steps done; see ``folders``
+for how it is published) holding:
+
+- ``dcp/shard-<i>-model-00001-of-00001.safetensors``: every tensor of the *shared* state (model
+  parameters and buffers, optimizer moments and step counts), written collectively by
+  ``torch.distributed.checkpoint`` (DCP) through its safetensors storage writer. DCP spreads the
+  replicated DDP tensors over the ranks, so each rank writes one shard file and no tensor twice.
+  ZeRO-1 optimizer state goes there too, by parameter name (``adapters.ShardedOptimizer``).
+- ``shared.json``: the rest of the shared state (optimizer hyperparameters, LR-scheduler state),
+  with a ``{"__tensor__": key}`` placeholder wherever a tensor sits in ``dcp/``.
+- ``rank-<r>.safetensors`` + ``rank-<r>.json``: rank ``r``'s own state (data position, RNG
+  states, compression residuals): tensors in the first file, everything else in the second.
+- ``meta.json``: ``step``, ``world_size`` and whatever the caller adds (fingerprints, config).
+- ``COMPLETE``: an empty marker, written last.
+
+Nothing is pickled: DCP's default file format pickles its ``.metadata`` file and non-tensor
+values, so only tensors go through DCP, in its safetensors format (metadata rebuilt from the
+safetensors headers), and everything else is JSON (``codec``).
+
+Source: DCP, https://docs.pytorch.org/docs/stable/distributed.checkpoint.html.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import cast
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchrun_ddp.checkpoint.adapters import (
+    ShardedOptimizer,
+    Stateful,
+    load_sharded,
+    sharded_template,
+    sharded_tensors,
+)
+from torchrun_ddp.checkpoint.codec import (
+    join_tree,
+    split_tree,
+    tensor_keys,
+    untied,
+    write_bytes,
+    write_json,
+)
+from torchrun_ddp.checkpoint.folders import (
+    DCP_DIR,
+    HINT,
+    META_JSON,
+    SHARED_JSON,
+    prune,
+    publish,
+    read_meta,
+    remove_incomplete,
+)
+from torchrun_ddp.checkpoint.ranks import barrier, every_rank_ok, rank_and_world
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import fault_point
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    shared: Mapping[str, Stateful],
+    per_rank: Mapping[str, object],
+    meta: Mapping[str, object],
+    keep: int,
+    sharded: Mapping[str, ShardedOptimizer] | None = None,
+) -> Path:
+    """Write ``<root>/step-<step>/`` from every rank (collective) and return its path.
+
+    ``shared``: replicated state, the same on every rank (e.g. ``{"train":
+    ModelAndOptimizer(model, optimizer), "scheduler": scheduler}``); tensors go through DCP,
+    the rest into ``shared.json`` (rank 0). ``per_rank``: this rank's state as nested dicts /
+    lists / tuples of tensors (any device and dtype; saved as is, loaded on the CPU), ints,
+    floats, strings, bools and None; written to ``rank-<r>.safetensors`` / ``rank-<r>.json``.
+    ``meta``: JSON-serialisable facts for ``check_compatible`` (``step`` and ``world_size`` are
+    added). ``sharded``: state each rank holds for its own parameters (ZeRO-1), written through
+    DCP next to the shared tensors under ``sharded/<name>/<parameter>/<key>``, so that
+    ``load_checkpoint`` can load it at another world size.
+    An existing ``step-<step>`` is replaced. Afterwards only the newest ``keep``
+    complete checkpoints remain. Every rank returns after the marker is written.
+
+    Raises ``ValueError`` for ``keep < 1`` and ``TypeError`` for a value JSON cannot hold, both
+    before any file is touched or any collective is entered. Raises UserError when the device
+    of ``root`` is full (ENOSPC): the unfinished ``step-<step>.tmp`` is never published, so the
+    newest complete checkpoint stays loadable (the next save removes the leftover).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    rank, world_size = rank_and_world()
+    shared_tree, shared_tensors = _split_shared(shared)
+    rank_tensors: dict[str, torch.Tensor] = {}
+    rank_tree = split_tree(per_rank, "", rank_tensors)
+    dcp_tensors = {**shared_tensors, **sharded_tensors(sharded or {})}
+    meta_text = json.dumps({**meta, "step": step, "world_size": world_size})
+    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    if rank == 0:
+        remove_incomplete(root)
+        tmp.mkdir(parents=True)
+    barrier()
+    failure: BaseException | None = None
+    try:
+        if shared_tensors or sharded:  # the same on every rank: all or none enter it
+            dcp.save(untied(dcp_tensors), storage_writer=_writer(tmp / DCP_DIR))
+        cpu = {key: value.cpu().contiguous() for key, value in untied(rank_tensors).items()}
+        write_bytes(tmp / f"rank-{rank}.safetensors", safetensors_bytes(cpu))
+        write_json(tmp / f"rank-{rank}.json", rank_tree)
+        if rank == 0:
+            write_json(tmp / SHARED_JSON, shared_tree)
+            write_bytes(tmp / META_JSON, meta_text.encode())
+    except (OSError, CheckpointException) as exc:
+        if not _disk_full(exc):
+            raise
+        failure = exc
+    if not every_rank_ok(failure is None):  # one rank's full disk stops every rank alike
+        raise UserError(
+            f"no space left on the device of --checkpoint-dir {root} while writing step {step}; "
+            "the newest complete checkpoint is kept: free space (or lower --keep-checkpoints) "
+            "and restart to resume from it"
+        ) from failure
+    fault_point("checkpoint-write", step)
+    barrier()
+    if rank == 0:
+        publish(tmp, final, step)
+        prune(root, keep)
+    else:
+        fault_point("publish", step)
+    barrier()
+    return final
+
+
+def check_compatible(saved: Mapping[str, object], current: Mapping[str, object]) -> None:
+    """Raise UserError naming the first key of ``current`` whose value differs in ``saved``.
+
+    ``saved`` is ``read_meta``'s result; ``current`` holds this run's values for the keys that must
+    match (e.g. ``world_size``, ``model`` fingerprint, ``vocab_size``, ``compression``). Values are
+    compared after a JSON round trip, so tuples equal lists. For dicts the message names the first
+    differing entry. Nothing is read or written.
+    """
+    normalised = json.loads(json.dumps(dict(current)))
+    for key, value in normalised.items():
+        if key not in saved:
+            raise UserError(f"checkpoint at step {saved.get('step')} has no {key!r}; {HINT}")
+        if saved[key] != value:
+            detail = _difference(saved[key], value)
+            raise UserError(
+                f"checkpoint at step {saved.get('step')} does not match this run: "
+                f"{key} {detail}; {HINT}"
+            )
+
+
+def load_checkpoint(
+    path: Path,
+    shared: Mapping[str, Stateful],
+    sharded: Mapping[str, ShardedOptimizer] | None = None,
+    reshard: bool = False,
+) -> dict[str, object] | None:
+    """Restore ``shared`` and ``sharded`` in place from ``path`` (collective) and return this
+    rank's ``per_rank``.
+
+    ``shared`` must hold the same names and kinds of objects as at save time; their current
+    tensors (e.g. a freshly built model) receive the saved values through ``dcp.load``, then
+    ``load_state_dict`` gets the full saved state. ``sharded`` objects get the saved state of
+    the parameters they own now (``load_owned``), at the saved or, with ``reshard``, any world
+    size. Per-rank tensors come back on the CPU. With ``reshard`` and a checkpoint of another
+    world size, the per-rank state of the old ranks is not this rank's: None is returned (read
+    it with ``load_rank_states``).
+
+    Raises UserError if ``path`` is incomplete, was saved with another world size (unless
+    ``reshard``), or its tensors do not match the objects in ``shared`` (names or count).
+    """
+    rank, world_size = rank_and_world()
+    meta = read_meta(path)
+    if not reshard:
+        check_compatible(meta, {"world_size": world_size})
+    saved_tree = json.loads((path / SHARED_JSON).read_text())
+    _, template = _split_shared(shared)
+    _require_same_keys(path, tensor_keys(saved_tree), set(template))
+    if template or sharded:
+        reader = dcp.HuggingFaceStorageReader(str(path / DCP_DIR))
+        owned = sharded_template(reader, sharded or {})
+        dcp.load({**template, **owned}, storage_reader=reader)
+        load_sharded(sharded or {}, owned)
+    restored = cast(dict[str, Mapping[str, object]], join_tree(saved_tree, template))
+    for name, obj in shared.items():
+        obj.load_state_dict(restored[name])
+    state = _load_tree(path, f"rank-{rank}") if meta["world_size"] == world_size else None
+    barrier()
+    return state
+
+
+def load_rank_states(path: Path, name: str, ranks: list[int] | None = None) -> list[object]:
+    """The per-rank entry ``name`` of every rank that saved ``path`` (or of ``ranks``), in rank
+    order; only that entry's tensors are read (CPU). No collective: any rank of a run at any
+    world size may call it (e.g. to re-split the data positions of all old ranks).
+
+    Raises UserError if ``path`` is incomplete or a rank's files are missing.
+    """
+    saved_world = int(read_meta(path)["world_size"])
+    out: list[object] = []
+    for rank in range(saved_world) if ranks is None else ranks:
+        skeleton_path = path / f"rank-{rank}.json"
+        if not skeleton_path.is_file():
+            raise UserError(f"{skeleton_path} is missing; {HINT}")
+        tree = json.loads(skeleton_path.read_text())[name]
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(path / f"rank-{rank}.safetensors", framework="pt") as handle:
+            for key in tensor_keys(tree):
+                tensors[key] = handle.get_tensor(key)
+        out.append(join_tree(tree, tensors))
+    return out
+
+
+def _split_shared(shared: Mapping[str, Stateful]) -> tuple[object, dict[str, torch.Tensor]]:
+    """``split_tree`` of ``{name: obj.state_dict()}``: the JSON tree and ``{key: tensor}``."""
+    tensors: dict[str, torch.Tensor] = {}
+    tree = split_tree({name: obj.state_dict() for name, obj in shared.items()}, "", tensors)
+    return tree, tensors
+
+
+def _load_tree(folder: Path, stem: str) -> dict[str, object]:
+    """``<stem>.json`` with the tensors of ``<stem>.safetensors`` (CPU) put back in place.
+
+    Raises UserError if the JSON file is missing."""
+    skeleton_path = folder / f"{stem}.json"
+    if not skeleton_path.is_file():
+        raise UserError(f"{skeleton_path} is missing; {HINT}")
+    tensors = load_file(folder / f"{stem}.safetensors")
+    return cast(dict[str, object], join_tree(json.loads(skeleton_path.read_text()), tensors))
+
+
+def _writer(folder: Path) -> dcp.HuggingFaceStorageWriter:
+    """DCP's safetensors writer, one shard file per rank (fsynced), no pickled metadata."""
+    return dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True)
+
+
+def _require_same_keys(path: Path, saved: set[str], current: set[str]) -> None:
+    if saved == current:
+        return
+    differ = sorted(saved ^ current)
+    raise UserError(
+        f"{path} holds other tensors than this run's model and optimizer "
+        f"({len(differ)} differ, e.g. {differ[0]!r}); {HINT}"
+    )
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OSError, or DCP's CheckpointException gathering every rank's
+    failure) comes from ENOSPC on some rank."""
+    if isinstance(exc, CheckpointException):
+        return any(_disk_full(failure) for failure, _ in exc.failures.values())
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
+def _difference(saved: object, current: object) -> str:
+    """``"is A in the checkpoint, B here"``, or for dicts the first entry that differs."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current)):
+            there, here = saved.get(key), current.get(key)
+            if there != here:
+                return f"differs at {key!r}: {_short(there)} in the checkpoint, {_short(here)} here"
+    return f"is {_short(saved)} in the checkpoint, {_short(current)} here"
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
