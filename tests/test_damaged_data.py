@@ -1,5 +1,5 @@
 """Damaged records in the training data: named by file and line, skipped the same way on every
-rank and after every resume, counted, and an error past --max-bad-records (training_data.py)."""
+rank and after every resume, counted, and an error past --max-bad-records (training_data/)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,78 @@
+"""Stream, order, tokenise and pack text into full windows; train and eval loaders.
+
+Documents come from ``datasets`` streaming (the hub's ``allenai/c4`` or local json/json.gz
+files in C4's layout), are tokenised as ``BOS + tokens + EOS`` (without BOS for tokenizers that
+have none, such as Qwen2's) and packed back to back into windows of exactly ``seq_length``
+tokens, so no padding token is ever trained on.
+
+Training data (``build_train_loader``) follows one global document order that is a pure function
+of the seed, the epoch and the position in the stream (``GlobalPackedWindows``): every rank reads
+the whole stream, shuffles it in fixed blocks, and takes the positions dealt to it. Its state is
+small and can be re-split among another number of ranks (``reshard_positions``), so a run can
+continue at another world size with every document trained exactly once. Held-out data is split
+per rank with ``datasets.distributed.split_dataset_by_node`` and packed by ``PackedWindows``.
+
+Damaged records. Local files are read line by line (``read_records``), so a damaged record deep
+inside a large shard (invalid JSON, bad UTF-8, no ``text``, a damaged gzip stream) becomes a
+record that names the file and line instead of an exception from the JSON parser. The training
+order skips it: it takes no position, the same on every rank and after every resume. Each
+distinct damaged record is logged once (rank 0), kept in the data position (so the count
+survives restarts) and counted in the metrics (``bad_records``); past ``--max-bad-records`` the
+run stops with a ``DataError``. A damaged gzip stream loses the rest of its file: one record.
+"""
+
+from torchrun_ddp.training_data.documents import (
+    FULL_CHECK_BYTES,
+    RECORD_FEATURES,
+    TOKENIZER_FILES,
+    check_data_file,
+    document_tokens,
+    load_tokenizer,
+    open_documents,
+    read_records,
+    resolve_files,
+    shard_for_rank,
+)
+from torchrun_ddp.training_data.global_order import (
+    DATA_ORDER,
+    UNSHUFFLED_BLOCK,
+    DocumentBlocks,
+    GlobalPackedWindows,
+    fresh_position,
+    reshard_positions,
+)
+from torchrun_ddp.training_data.heldout import PackedWindows, build_loader, eval_batches
+from torchrun_ddp.training_data.loader import (
+    TrainLoader,
+    bad_record_count,
+    build_train_loader,
+    data_position,
+    own_process_group,
+)
+
+__all__ = [
+    "DATA_ORDER",
+    "FULL_CHECK_BYTES",
+    "RECORD_FEATURES",
+    "TOKENIZER_FILES",
+    "UNSHUFFLED_BLOCK",
+    "DocumentBlocks",
+    "GlobalPackedWindows",
+    "PackedWindows",
+    "TrainLoader",
+    "bad_record_count",
+    "build_loader",
+    "build_train_loader",
+    "check_data_file",
+    "data_position",
+    "document_tokens",
+    "eval_batches",
+    "fresh_position",
+    "load_tokenizer",
+    "open_documents",
+    "own_process_group",
+    "read_records",
+    "reshard_positions",
+    "resolve_files",
+    "shard_for_rank",
+]
