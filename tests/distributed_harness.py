@@ -44,7 +44,7 @@ def torchrun_command(
 
 def subprocess_env() -> dict[str, str]:
     """The environment for training subprocesses: offline hub, unbuffered output, and a fresh
-    rendezvous store per torchrun restart (as run.sh sets it; see README, fault tolerance)."""
+    rendezvous store per torchrun restart (as run.sh sets it; see docs/fault-tolerance.md)."""
     return {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
