@@ -33,7 +33,7 @@ else
 fi
 
 # NNODES=MIN:MAX is elastic: nodes may leave and join; the c10d rendezvous numbers them, so no
-# --node_rank, and a restarted group resumes at the new world size (see README, Elastic training).
+# --node_rank, and a restarted group resumes at the new world size (see docs/elastic.md).
 NODE_RANK_ARG=(--node_rank="$NODE_RANK")
 if [[ "$NNODES" == *:* ]]; then
   NODE_RANK_ARG=()

@@ -6,7 +6,7 @@ Prints one Markdown table (from the repository root)::
     uv run python benchmarks/data_loader.py --data-dir ../shared/data --world-size 64
 
 Rows: (1) documents/s that one rank parses when it reads the whole stream through
-``DocumentBlocks`` (every rank does, see README, Elastic training); (2) micro-batches/s that one
+``DocumentBlocks`` (every rank does, see docs/elastic.md); (2) micro-batches/s that one
 rank of ``--world-size`` gets from ``build_train_loader`` (its worker tokenises only its own
 documents, and reads all of them); (3) the mean time of ``TrainLoader.state_dict()``, which the
 training loop calls after every step; (4) the JSON size of that state; (5) the time to re-split

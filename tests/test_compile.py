@@ -18,6 +18,8 @@ from torchrun_ddp.main import forward_backward
 from torchrun_ddp.model import build_model, compile_model, wrap_ddp
 from torchrun_ddp.optimizer import build_optimizer
 
+pytestmark = pytest.mark.slow  # torch.compile on 2 spawned ranks
+
 CPU = torch.device("cpu")
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
 Params = dict[str, torch.Tensor]

@@ -126,7 +126,12 @@ def _worker(rank: int, world_size: int) -> Result:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
+# World size 4 (also the 2 nodes x 2 ranks of the node-aware scope) is in the slow tier: four
+# spawned ranks cost more than the rest of the module.
+WORLD_SIZES = [2, 3, pytest.param(4, marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
 def world(request: pytest.FixtureRequest) -> tuple[int, list[Result]]:
     size = int(request.param)
     return size, run_distributed(_worker, size, timeout=300.0)

@@ -18,7 +18,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from distributed_harness import REPO, free_port, subprocess_env, torchrun, torchrun_command
+
+pytestmark = pytest.mark.slow  # torchrun agents leave and join a running group
 
 STEPS = 40
 

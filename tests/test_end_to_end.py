@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrun_ddp import plot
 
+pytestmark = pytest.mark.slow  # trains the quick start under torchrun
+
 STEPS = 20
 
 

@@ -25,6 +25,8 @@ from distributed_harness import REPO, TIMEOUT_S, subprocess_env, tiny_args, torc
 from safetensors.torch import load_file
 from test_resume import _workers
 
+pytestmark = pytest.mark.slow  # SIGKILL and SIGTERM of torchrun workers, with restarts
+
 STEPS = 8
 FAULTS = [
     "step:0:3",

@@ -18,6 +18,8 @@ import pytest
 from distributed_harness import REPO, free_port
 from transformers import AutoModelForCausalLM
 
+pytestmark = pytest.mark.slow  # copies the repository and trains the quick start in it
+
 # What a path that leaves the repository for the developers' shared data would contain.
 OUTSIDE = ("/".join(("..", "shared")), "/".join(("shared", "data")))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}

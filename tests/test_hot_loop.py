@@ -23,6 +23,8 @@ from torchrun_ddp.config import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.main import start, train
 
+pytestmark = pytest.mark.slow  # profiles training steps on 2 spawned ranks
+
 
 def _collectives(events: list[str]) -> Counter[str]:
     return Counter(name for name in events if name.startswith("gloo:"))

@@ -24,6 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from torchrun_ddp.main import save_final_model
 from torchrun_ddp.model import build_model
 
+pytestmark = pytest.mark.slow  # trains and resumes LoRA runs on 2 spawned ranks
+
 TINY = REPO / "configs" / "tiny-models" / "llama" / "config.json"
 SEED = 42
 STEPS = 8

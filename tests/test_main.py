@@ -69,6 +69,7 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: 
         torch.testing.assert_close(value, b[name], atol=atol, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow  # trains 4 steps on 2 spawned ranks and in one process
 def test_ddp_gradients_equal_single_process_on_union_batch() -> None:
     steps = 4
     ranks = run_distributed(_ddp_worker, 2, steps, 2)

@@ -19,6 +19,8 @@ from torchrun_ddp.main import forward_backward
 from torchrun_ddp.model import LoraSettings, apply_lora, build_model, wrap_ddp
 from torchrun_ddp.optimizer import build_optimizer
 
+pytestmark = pytest.mark.slow  # trains five architectures on 2 spawned ranks
+
 STEPS = 3
 CPU = torch.device("cpu")
 

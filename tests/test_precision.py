@@ -71,7 +71,8 @@ def _variants_worker(rank: int, world_size: int) -> dict[str, dict[str, object]]
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, dict[str, object]]]:
-    """Per rank: variant name -> losses, first gradients, final parameters."""
+    """Per rank: variant name -> losses, first gradients, final parameters. The tests that use
+    it are marked slow: it trains every variant on 2 spawned ranks."""
     return run_distributed(_variants_worker, 2, timeout=600)
 
 
@@ -86,6 +87,7 @@ def _initial_params() -> Params:
     return dict(model.named_parameters())
 
 
+@pytest.mark.slow
 def test_zero1_matches_unsharded_adamw_after_10_steps(runs: list[dict]) -> None:
     sharded, plain = [r["zero1"] for r in runs], runs[0]["fp32"]
     _assert_close(sharded[0]["params"], sharded[1]["params"], atol=0.0)
@@ -95,6 +97,7 @@ def test_zero1_matches_unsharded_adamw_after_10_steps(runs: list[dict]) -> None:
     assert moved > 1e-2, "10 AdamW steps at lr 1e-2 should move the weights"
 
 
+@pytest.mark.slow
 def test_static_graph_trains_exactly_like_the_default_ddp(runs: list[dict]) -> None:
     static = [r["static"] for r in runs]
     _assert_close(static[0]["params"], static[1]["params"], atol=0.0)
@@ -103,6 +106,7 @@ def test_static_graph_trains_exactly_like_the_default_ddp(runs: list[dict]) -> N
     torch.testing.assert_close(static[0]["losses"], runs[0]["fp32"]["losses"])
 
 
+@pytest.mark.slow
 def test_bf16_mixed_with_activation_checkpointing_keeps_ranks_identical(runs: list[dict]) -> None:
     ranks = [r["bf16-mixed-ac"] for r in runs]
     _assert_close(ranks[0]["params"], ranks[1]["params"], atol=0.0)
@@ -115,11 +119,13 @@ def test_bf16_mixed_with_activation_checkpointing_keeps_ranks_identical(runs: li
     assert not torch.equal(losses, fp32)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_gives_the_same_gradients(runs: list[dict]) -> None:
     recomputed, stored = runs[0]["fp32-ac"]["grads"], runs[0]["fp32"]["grads"]
     _assert_close(recomputed, stored, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_pure_bf16_trains_with_bf16_weights_and_identical_ranks(runs: list[dict]) -> None:
     ranks = [r["bf16"] for r in runs]
     _assert_close(ranks[0]["params"], ranks[1]["params"], atol=0.0)

@@ -25,6 +25,8 @@ from distributed_harness import (
 )
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # stops, kills and resumes torchrun runs
+
 STEPS = 16
 
 

@@ -16,6 +16,8 @@ sys.path.insert(0, str(REPO))
 
 import train
 
+pytestmark = pytest.mark.slow  # runs train.py under torchrun, several times
+
 
 def _args(sample_data: Path, out: Path, *extra: str) -> list[str]:
     """3 tiny steps; a record every 2 steps (the last window is partial); checkpoints at 2, 3."""

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from distributed_harness import run_distributed
 from tiny_models import tiny_llama_config
@@ -72,6 +73,7 @@ def _worker(rank: int, world_size: int, base: str, tokenizer_dir: str, eval_file
     }
 
 
+@pytest.mark.slow  # builds and evaluates a model on 2 spawned ranks
 def test_start_is_decided_by_rank_0_and_checked_by_every_rank(
     sample_data: Path, tmp_path: Path
 ) -> None:

@@ -1,0 +1,348 @@
+"""README.md and docs/ stay true to the code.
+
+Checked without training anything (a few seconds): every relative link and image resolves (and
+its #anchor, where it names one, is a heading of the target page); every `--flag` of a shown
+command exists in that program's parser (train.py through run.sh, sbatch or torchrun, torchrun
+itself, the benchmark scripts, ``python -m torchrun_ddp.plot`` / ``.config_docs``), and every bare
+`--flag` in inline code exists in one of them; every repository path named in inline code
+exists; every config file the docs name parses with the project's own loaders; and
+docs/configuration.md is what ``torchrun_ddp.config_docs`` generates from TrainConfig.
+
+Parsers are built in this process, never by spawning the scripts: train.py's comes from
+``config.build_parser``; a script's is captured at its first ``parse_args`` call, which is made to
+raise before anything else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import runpy
+import shlex
+import sys
+from collections.abc import Callable, Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from torchrun_ddp import config_docs, plot
+from torchrun_ddp.config import build_parser, field_names, parse_config
+from torchrun_ddp.model import load_model_config
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGE_IDS = [str(page.relative_to(REPO)) for page in PAGES]
+
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
+INLINE_CODE = re.compile(r"`([^`\n]+)`")
+LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?(?P<target>[^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HTML_IMAGE = re.compile(r"<img\b[^>]*\bsrc=\"(?P<target>[^\"]+)\"")
+HEADING = re.compile(r"^(#{1,6})\s+(?P<title>.+?)\s*#*\s*$")
+SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
+CONFIG_PATH = re.compile(r"(?<![\w/.-])configs/[\w./-]*\w")
+REPO_PATH = re.compile(r"^(?:\./)?(?P<path>(?:benchmarks|configs|data|docs|src|tests)/[\w./-]+)$")
+BENCHMARK = re.compile(r"(?:^|/)(?P<script>benchmarks/\w+\.py)$")
+SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
+SEPARATORS = {"&&", "||", ";", "|"}
+EXTERNAL = {"sbatch", "srun", "pytest", "tensorboard", "hf", "pip", "git", "uv sync"}
+"""Programs whose flags are their own business (flags after them are not checked)."""
+MODULES = {"torchrun_ddp.plot": "plot", "torchrun_ddp.config_docs": "config_docs"}
+
+
+# --- Markdown -------------------------------------------------------------------------------
+
+
+def split_fences(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """The page's prose (fenced blocks blanked, line numbers kept) and its fenced blocks as
+    (info string, content)."""
+    prose: list[str] = []
+    blocks: list[tuple[str, str]] = []
+    lang: str | None = None
+    body: list[str] = []
+    for line in text.splitlines():
+        fence = FENCE.match(line.strip())
+        if lang is None and fence:
+            lang, body = fence.group("lang"), []
+        elif lang is not None and line.strip() == "```":
+            blocks.append((lang, "\n".join(body)))
+            lang = None
+        elif lang is not None:
+            body.append(line)
+        prose.append("" if lang is not None or fence or line.strip() == "```" else line)
+    return "\n".join(prose), blocks
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+@cache
+def anchors(page: Path) -> frozenset[str]:
+    """The #anchors of ``page``'s headings (repeated titles get -1, -2, ... as on GitHub)."""
+    prose, _ = split_fences(page.read_text())
+    seen: dict[str, int] = {}
+    found: set[str] = set()
+    for line in prose.splitlines():
+        heading = HEADING.match(line)
+        if not heading:
+            continue
+        base = slug(heading.group("title"))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return frozenset(found)
+
+
+def link_targets(page: Path) -> list[str]:
+    """Targets of the page's Markdown links, images and <img> tags, outside code."""
+    prose, _ = split_fences(page.read_text())
+    prose = INLINE_CODE.sub("", prose)
+    return [m.group("target") for pattern in (LINK, HTML_IMAGE) for m in pattern.finditer(prose)]
+
+
+def inline_code(page: Path) -> list[str]:
+    """The page's inline code spans, outside fenced blocks."""
+    prose, _ = split_fences(page.read_text())
+    return INLINE_CODE.findall(prose)
+
+
+# --- commands and parsers -------------------------------------------------------------------
+
+
+def segments(line: str) -> Iterator[list[str]]:
+    """Shell words of ``line`` (comments dropped), split into simple commands at && || ; |."""
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:
+        words = line.split()
+    command: list[str] = []
+    for word in words:
+        if word in SEPARATORS:
+            yield command
+            command = []
+        else:
+            command.append(word)
+    yield command
+
+
+def program_of(word: str, previous: str) -> str | None:
+    """The program a shell word starts, or None: ``train.py`` (also for run.sh and the SLURM
+    script, which pass their arguments on), ``torchrun``, ``benchmarks/X.py``, a module run
+    with -m, or an external program."""
+    if word.endswith(("train.py", "run.sh", "train.sbatch")):
+        return "train.py"
+    if word == "torchrun" or (previous == "-m" and word == "torch.distributed.run"):
+        return "torchrun"
+    if previous == "-m" and word in MODULES:
+        return MODULES[word]
+    benchmark = BENCHMARK.search(word)
+    if benchmark:
+        return benchmark.group("script")
+    if word in EXTERNAL or f"{previous} {word}" in EXTERNAL:
+        return "external"
+    return None
+
+
+def flags_by_program(command: list[str]) -> Iterator[tuple[str | None, str]]:
+    """(program, --flag) for each flag of a simple command; the program is the last one named
+    before the flag (None before any)."""
+    program: str | None = None
+    previous = ""
+    for word in command:
+        program = program_of(word, previous) or program
+        if word.startswith("--") and len(word) > 2:
+            yield program, word.split("=", 1)[0]
+        previous = word
+
+
+def shown_commands(page: Path) -> Iterator[list[str]]:
+    """Simple commands of the page's shell blocks and of its inline code spans."""
+    _, blocks = split_fences(page.read_text())
+    for lang, body in blocks:
+        if lang in SHELL_LANGS:
+            for line in body.replace("\\\n", " ").splitlines():
+                yield from segments(line)
+    for span in inline_code(page):
+        yield from segments(span)
+
+
+class _Parsed(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised from a patched ``parse_args`` to hand the parser back."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+def captured_parser(call: Callable[[], object]) -> argparse.ArgumentParser:
+    """The parser that ``call`` builds, taken at its first parse; nothing after that runs."""
+
+    def capture(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        raise _Parsed(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+        patch.setattr(argparse.ArgumentParser, "parse_args", capture)
+        patch.setattr(sys, "path", list(sys.path))
+        try:
+            call()
+        except _Parsed as parsed:
+            return parsed.parser
+    raise AssertionError("no argument parser was used")
+
+
+def _run_script(path: Path) -> Callable[[], object]:
+    def run() -> object:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, "argv", [str(path)])
+            return runpy.run_path(str(path), run_name="__main__")
+
+    return run
+
+
+def _parser(program: str) -> argparse.ArgumentParser:
+    if program == "train.py":
+        return build_parser()
+    if program == "torchrun":
+        return get_args_parser()
+    if program == "plot":
+        return captured_parser(lambda: plot.main([]))
+    if program == "config_docs":
+        return captured_parser(lambda: config_docs.main([]))
+    script = REPO / program
+    assert script.is_file(), f"the docs run {program}, which does not exist"
+    return captured_parser(_run_script(script))
+
+
+@cache
+def known_flags(program: str) -> frozenset[str]:
+    """Every option string ``program``'s parser accepts."""
+    return frozenset(flag for action in _parser(program)._actions for flag in action.option_strings)
+
+
+@cache
+def all_known_flags() -> frozenset[str]:
+    """Flags of every program the docs may name (for bare flags in inline code)."""
+    programs = ["train.py", "torchrun", "plot", "config_docs"]
+    programs += [f"benchmarks/{p.name}" for p in sorted((REPO / "benchmarks").glob("*.py"))]
+    programs.remove("benchmarks/common.py")
+    return frozenset().union(*(known_flags(program) for program in programs))
+
+
+def unknown_flags(page: Path) -> list[str]:
+    """'program --flag' for each flag of the page's commands that its program does not have."""
+    unknown = []
+    for command in shown_commands(page):
+        for program, flag in flags_by_program(command):
+            if program == "external":
+                continue
+            known = all_known_flags() if program is None else known_flags(program)
+            if flag not in known:
+                unknown.append(f"{program or 'any program'}: {flag} (in {' '.join(command)})")
+    return unknown
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
+def test_links_and_images_resolve(page: Path) -> None:
+    broken = []
+    for target in link_targets(page):
+        if SCHEME.match(target):
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading with anchor #{anchor}")
+    assert not broken, f"{page.relative_to(REPO)}: broken links: {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
+def test_flags_of_shown_commands_exist(page: Path) -> None:
+    unknown = unknown_flags(page)
+    assert not unknown, f"{page.relative_to(REPO)}: flags that do not exist: {unknown}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
+def test_repository_paths_in_inline_code_exist(page: Path) -> None:
+    named = [m.group("path") for span in inline_code(page) if (m := REPO_PATH.match(span))]
+    missing = [path for path in named if "*" not in path and not (REPO / path).exists()]
+    assert not missing, f"{page.relative_to(REPO)} names paths that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
+def test_named_config_files_parse(page: Path) -> None:
+    for name in sorted(set(CONFIG_PATH.findall(page.read_text()))):
+        path = REPO / name
+        assert path.exists(), f"{page.relative_to(REPO)} names {name}, which does not exist"
+        if path.suffix == ".toml":
+            config = parse_config(["--config", str(path)])
+            assert config.seq_length > 0, name
+        elif path.suffix == ".json":
+            assert load_model_config(str(path)).model_type, name
+
+
+def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Title\n[ok](#title) [gone](missing.md) [bad anchor](#nowhere)\n"
+        "```bash\nuv run python train.py --seq-length 8 --no-such-flag 1\n"
+        "uv run python benchmarks/memory.py --plans --warp 9\n```\n"
+        "Try `--zero1` or `--not-a-flag`; `sbatch --anything examples/slurm/train.sbatch`.\n"
+    )
+    assert link_targets(page) == ["#title", "missing.md", "#nowhere"]
+    assert anchors(page) == {"title"}
+    assert unknown_flags(page) == [
+        "train.py: --no-such-flag (in uv run python train.py --seq-length 8 --no-such-flag 1)",
+        "benchmarks/memory.py: --warp (in uv run python benchmarks/memory.py --plans --warp 9)",
+        "any program: --not-a-flag (in --not-a-flag)",
+    ]
+
+
+def test_slug_follows_github() -> None:
+    assert slug("DeMo (`--optimizer demo`)") == "demo---optimizer-demo"
+    assert slug("metrics.jsonl") == "metricsjsonl"
+    assert slug("Rotating vs low-pass `dct` at 8x") == "rotating-vs-low-pass-dct-at-8x"
+
+
+def test_readme_shows_the_main_commands_on_its_first_screen() -> None:
+    lines = (REPO / "README.md").read_text().splitlines()
+    first_screen = "\n".join(lines[:60])
+    for command in (
+        "--nproc_per_node=2 train.py --config configs/tiny.toml",  # quick start
+        "uv run python train.py --config",  # one GPU
+        "NPROC_PER_NODE=8 ./run.sh --config configs/llama2_7b.toml",  # 8 GPUs, 7B full
+        "configs/llama2_7b_lora.toml",  # 7B LoRA
+        "NODE_RANK=0",  # multi-node with run.sh
+        "sbatch",  # SLURM
+        "--compression dct",  # slow link
+        "--optimizer demo",  # slow link
+        "NNODES=1:4",  # elastic
+        'pytest -q -m "not slow"',  # fast tier
+    ):
+        assert command in first_screen, f"README's first 60 lines lack {command!r}"
+
+
+def test_configuration_page_is_generated_from_the_code() -> None:
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert page == config_docs.render(), (
+        f"docs/configuration.md is stale; regenerate it with: {config_docs.REGENERATE}"
+    )
+
+
+def test_configuration_page_lists_every_option_in_a_section(tmp_path: Path) -> None:
+    assert set(config_docs.sections()) == set(field_names()), "a field outside the source scan"
+    out = tmp_path / "configuration.md"
+    assert config_docs.main(["--out", str(out)]) == 0
+    spans = set(INLINE_CODE.findall(out.read_text()))
+    for action in build_parser()._actions:
+        hyphenated = [flag for flag in action.option_strings if "_" not in flag]
+        for flag in hyphenated:
+            if flag not in {"-h", "--help"}:
+                assert flag in spans, f"{flag} is missing from the configuration page"
