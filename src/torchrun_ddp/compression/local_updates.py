@@ -445,10 +445,9 @@ def memory_rows(
     if settings.method == "diloco":
         if settings.outer_momentum:
             rows.append(MemoryRow("outer Nesterov momentum (fp32)", 4 * numel, True))
-        wire = 2 * numel if settings.pseudo_gradient_dtype == "bfloat16" else 0
-        rows.append(
-            MemoryRow("sync: pseudo-gradient (fp32, + bf16 wire copy)", 4 * numel + wire, False)
-        )
+        bf16 = settings.pseudo_gradient_dtype == "bfloat16"
+        name = "sync: pseudo-gradient (fp32" + (", and its bf16 wire copy)" if bf16 else ")")
+        rows.append(MemoryRow(name, 4 * numel + (2 * numel if bf16 else 0), False))
         return rows
     rows.append(MemoryRow("error feedback (fp32, per rank)", 4 * numel, True))
     payload = sparseloco_payload_bytes(shapes, settings.topk, settings.chunk, settings.quant_bits)
