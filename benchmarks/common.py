@@ -85,15 +85,18 @@ def _demo(k: int) -> Variant:
     return Variant(f"demo-{k}", f"DeMo k {k}, tiles <= 64 x 64, bf16", flags, "all_gather")
 
 
-def _local(method: str, steps: int, values: str = "float32") -> Variant:
+def _local(method: str, steps: int, values: str = "float32", topk: int = 64) -> Variant:
     """DiLoCo or SparseLoCo (``--optimizer diloco|sparseloco``) syncing every ``steps`` steps at
     the papers' defaults (DiLoCo: outer Nesterov SGD lr 0.7, momentum 0.9, pseudo-gradient in
-    ``values``; SparseLoCo: k 64 of 64 x 64 chunks, 2-bit values, error feedback 0.95, outer
-    lr 1)."""
+    ``values``; SparseLoCo: ``topk`` (64) of 64 x 64 chunks, 2-bit values, error feedback 0.95,
+    outer lr 1; the name gets ``-k<topk>`` for another k)."""
     flags = ("--optimizer", method, "--local-steps", str(steps))
     if method == "sparseloco":
-        label = f"SparseLoCo H {steps}, k 64/4096, 2-bit"
-        return Variant(f"sparseloco-h{steps}", label, flags, "all_gather", period=steps)
+        name, label = f"sparseloco-h{steps}", f"SparseLoCo H {steps}, k {topk}/4096, 2-bit"
+        if topk != 64:
+            flags += ("--sparseloco-topk", str(topk))
+            name = f"{name}-k{topk}"
+        return Variant(name, label, flags, "all_gather", period=steps)
     name, label = f"diloco-h{steps}", f"DiLoCo H {steps}, fp32 all-reduce"
     if values != "float32":
         flags += ("--pseudo-gradient-dtype", values)
@@ -151,6 +154,7 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         *(_local("diloco", steps) for steps in (25, 50, 125)),
         _local("diloco", 125, "bfloat16"),
         *(_local("sparseloco", steps) for steps in (25, 50, 125)),
+        _local("sparseloco", 125, topk=256),
     ]
     return {variant.name: variant for variant in variants}
 
