@@ -39,6 +39,8 @@ class Variant:
     """How the payload travels in the global scope: ``all_reduce`` or ``all_gather`` (top-k)."""
     scope: str = "global"
     """``--compression-scope``: ``global`` or ``inter-node``."""
+    period: int = 1
+    """Optimizer steps per exchange: 1, or H for DiLoCo and SparseLoCo (``--local-steps``)."""
 
 
 def _dct(ratio: float, block: int, values: str = "float32", rotating: bool = False) -> Variant:
@@ -83,9 +85,33 @@ def _demo(k: int) -> Variant:
     return Variant(f"demo-{k}", f"DeMo k {k}, tiles <= 64 x 64, bf16", flags, "all_gather")
 
 
+def _local(method: str, steps: int, values: str = "float32", topk: int = 64) -> Variant:
+    """DiLoCo or SparseLoCo (``--optimizer diloco|sparseloco``) syncing every ``steps`` steps at
+    the papers' defaults (DiLoCo: outer Nesterov SGD lr 0.7, momentum 0.9, pseudo-gradient in
+    ``values``; SparseLoCo: ``topk`` (64) of 64 x 64 chunks, 2-bit values, error feedback 0.95,
+    outer lr 1; the name gets ``-k<topk>`` for another k)."""
+    flags = ("--optimizer", method, "--local-steps", str(steps))
+    if method == "sparseloco":
+        name, label = f"sparseloco-h{steps}", f"SparseLoCo H {steps}, k {topk}/4096, 2-bit"
+        if topk != 64:
+            flags += ("--sparseloco-topk", str(topk))
+            name = f"{name}-k{topk}"
+        return Variant(name, label, flags, "all_gather", period=steps)
+    name, label = f"diloco-h{steps}", f"DiLoCo H {steps}, fp32 all-reduce"
+    if values != "float32":
+        flags += ("--pseudo-gradient-dtype", values)
+        name, label = f"{name}-{SHORT_DTYPES[values]}", f"DiLoCo H {steps}, bf16 all-reduce"
+    return Variant(name, label, flags, period=steps)
+
+
+OPTIMIZERS = ("demo", "diloco", "sparseloco")
+"""The ``--optimizer`` values other than ``adamw`` a variant may name."""
+
+
 def optimizer_of(variant: Variant) -> str:
-    """``adamw`` or ``demo``: the ``--optimizer`` a variant trains with."""
-    return "demo" if "demo" in variant.flags else "adamw"
+    """``adamw``, ``demo``, ``diloco`` or ``sparseloco``: the ``--optimizer`` of a variant."""
+    named = [flag for flag in variant.flags if flag in OPTIMIZERS]
+    return named[0] if named else "adamw"
 
 
 def _powersgd(rank: int) -> Variant:
@@ -125,6 +151,10 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _demo(16),
         _demo(8),
         _demo(4),
+        *(_local("diloco", steps) for steps in (25, 50, 125)),
+        _local("diloco", 125, "bfloat16"),
+        *(_local("sparseloco", steps) for steps in (25, 50, 125)),
+        _local("sparseloco", 125, topk=256),
     ]
     return {variant.name: variant for variant in variants}
 
@@ -231,6 +261,11 @@ class RunSummary:
     """Per-record training loss (mean over ranks), in step order."""
     eval_loss: float
     """The last held-out loss (nan if none was logged)."""
+    collective_bytes: tuple[int, ...] = ()
+    """Bytes handed to collectives in every logged step, in step order (one step per record
+    with ``--log-every 1``): what :func:`per_step_collective` averages."""
+    eval_losses: tuple[tuple[int, float], ...] = ()
+    """(step, held-out loss) of every evaluation, in step order."""
 
 
 def summarise(records: list[dict[str, float]]) -> RunSummary:
@@ -245,7 +280,17 @@ def summarise(records: list[dict[str, float]]) -> RunSummary:
         comm_bytes_collective=int(last.get("comm_bytes_collective", 0)),
         losses=[float(record["loss"]) for record in train],
         eval_loss=float(evals[-1]["eval_loss"]) if evals else float("nan"),
+        collective_bytes=tuple(int(record.get("comm_bytes_collective", 0)) for record in train),
+        eval_losses=tuple((int(r["step"]), float(r["eval_loss"])) for r in evals),
     )
+
+
+def per_step_collective(run: RunSummary, variant: Variant) -> float:
+    """Bytes handed to collectives per step: the mean over the last ``variant.period`` steps
+    (one exchange: a DiLoCo or SparseLoCo sync falls in every H consecutive steps), so methods
+    that exchange every step keep their last step's count."""
+    recent = run.collective_bytes[-variant.period :] or (run.comm_bytes_collective,)
+    return sum(recent) / len(recent)
 
 
 def ring_ratio(run: RunSummary, variant: Variant, measured: int, world: int) -> float:
@@ -256,23 +301,26 @@ def ring_ratio(run: RunSummary, variant: Variant, measured: int, world: int) -> 
     c bytes sends 2 (W - 1) / W * c, so its ratio S / c holds at every W; an all-gather of p bytes
     per rank sends (W - 1) * p, so its ratio is 2 S / (W p) and falls with W.
     """
-    if variant.scope != "global" or measured < 2 or not run.comm_bytes_collective:
+    collective = per_step_collective(run, variant)
+    if variant.scope != "global" or measured < 2 or not collective:
         return float("nan")
     dense = run.comm_bytes_dense * measured / (2 * (measured - 1))
     if variant.collective == "all_gather":
-        return 2 * dense / (world * run.comm_bytes_collective)
-    return dense / run.comm_bytes_collective
+        return 2 * dense / (world * collective)
+    return dense / collective
 
 
 def wire_at(run: RunSummary, variant: Variant, world: int) -> float:
     """Wire bytes per rank per step at ``world`` ranks (ring model) from a run's payload: an
     all-reduce of c bytes sends 2 (W - 1) / W * c, an all-gather of p bytes per rank (W - 1) * p
-    (nan for the node-aware scope)."""
-    if variant.scope != "global" or not run.comm_bytes_collective:
+    (nan for the node-aware scope). Per step means averaged over one exchange
+    (:func:`per_step_collective`)."""
+    collective = per_step_collective(run, variant)
+    if variant.scope != "global" or not collective:
         return float("nan")
     if variant.collective == "all_gather":
-        return (world - 1) * run.comm_bytes_collective
-    return 2 * (world - 1) / world * run.comm_bytes_collective
+        return (world - 1) * collective
+    return 2 * (world - 1) / world * collective
 
 
 def median_after(values: list[float], skip: int) -> float:

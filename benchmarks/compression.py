@@ -1,4 +1,5 @@
-"""Convergence and cost of gradient compression and DeMo on a tiny LLaMA: a frontier over seeds.
+"""Convergence and cost of gradient compression, DeMo, DiLoCo and SparseLoCo on a tiny LLaMA: a
+frontier over seeds.
 
 Trains ``configs/tiny.toml`` (optionally another ``--model`` config) on the offline C4 sample
 (``../shared/data``) once per method, learning rate and seed, with 2 processes under torchrun on
@@ -6,21 +7,29 @@ loopback (gloo, CPU), every run from the same step count and data order for a gi
 prints Markdown tables:
 
 1. the grid: every method at every learning rate of its optimizer's grid (``--adamw-lrs``,
-   ``--demo-lrs``: sign descent needs another scale than AdamW), held-out loss as mean +-
-   standard error over the seeds, and its change against dense AdamW (``none``) paired by seed:
-   per seed ``100 (L_method / L_none - 1)``, then mean +- standard error of those;
+   ``--demo-lrs``: sign descent needs another scale than AdamW; ``--local-lrs``: the inner AdamW
+   of DiLoCo and SparseLoCo), held-out loss as mean +- standard error over the seeds, and its
+   change against dense AdamW (``none``) paired by seed: per seed ``100 (L_method / L_none -
+   1)``, then mean +- standard error of those;
 2. the frontier: each method at its best learning rate (lowest mean held-out loss over the
-   seeds; dense AdamW at its own best), wire bytes each rank sends per step under the ring model
-   at the measured world size and at ``W = 8``, the ratio against a dense fp32 ring all-reduce at
-   ``W = 8``, median step time, and the paired change against dense AdamW;
-3. the targets: within 1% of dense AdamW at 32x or more fewer wire bytes at ``W = 8`` (and the
-   earlier 2x / 8x targets), with the standard error, so "met" means mean + 2 SE <= the limit.
+   seeds; dense AdamW at its own best), wire bytes each rank sends per token it trains under the
+   ring model at ``W = 8`` and ``W = 64`` (DiLoCo and SparseLoCo: one sync's bytes spread over
+   its H steps), the ratios against a dense fp32 ring all-reduce there, median step time, and the
+   paired change against dense AdamW;
+3. the held-out loss by step of every frontier point, dense AdamW's among them (with
+   ``--eval-every``), so a reader sees which phase of training the comparison covers;
+4. the targets: within 1% of dense AdamW at 32x or more fewer wire bytes at ``W = 8`` (and the
+   earlier 2x / 8x targets), and at 1,000x at ``W = 8`` and 100x at ``W = 64`` (local updates),
+   with the standard error, so "met" means mean + 2 SE <= the limit.
 
-``--png`` draws the frontier: held-out loss change against wire bytes at ``W = 8`` (log scale),
-one point per method with standard-error bars, dense AdamW as the 0 line.
+``--png`` draws the frontier: held-out loss change against wire bytes per token at ``W = 8`` and
+at ``W = 64`` (log scale), one point per method with standard-error bars, dense AdamW as the 0
+line.
 
 The learning rate warms up and then follows one cosine cycle that ends at ``--min-lr-ratio`` of
-the peak on the last step, so the final eval is taken at a small learning rate.
+the peak on the last step, so the final eval is taken at a small learning rate. Choose
+``--steps`` and ``--eval-every`` as multiples of every H benchmarked, so that DiLoCo and
+SparseLoCo are evaluated right after a sync (on the synchronised model).
 
 Usage (from the repository root)::
 
@@ -28,13 +37,16 @@ Usage (from the repository root)::
     uv run python benchmarks/compression.py --methods none,dct-0.125 --steps 50
     uv run python benchmarks/compression.py --work-dir runs --reuse   # continue after a stop
     uv run python benchmarks/compression.py --model configs/tiny-models/llama/config.json \
-        --methods none,demo-32,demo-8 --seeds 3 --adamw-lrs 3e-3,1e-2 --demo-lrs 3e-4,1e-3 \
-        --eval-batches 64 --work-dir runs --reuse --png docs/compression_frontier.png
+        --methods none,demo-32,diloco-h50,sparseloco-h25,sparseloco-h125 --steps 1000 \
+        --epochs 4 --eval-every 250 --tune-seed 42 --seed 43 --seeds 3 \
+        --adamw-lrs 1e-3,3e-3,1e-2 --demo-lrs 3e-3,1e-2 --eval-batches 64 \
+        --work-dir runs --reuse --png docs/compression_frontier.png
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import shutil
@@ -76,8 +88,10 @@ from common import (
     wire_at,
 )
 
+from torchrun_ddp.training_data import document_tokens, load_tokenizer
+
 DEFAULT_METHODS = "none,fp16,bf16,powersgd-4,powersgd-16,dct-0.5,dct-0.25-bf16,dct-0.125"
-DEFAULT_METHODS += ",dct-0.03,dct-topk-8-bf16,dct-topk-2,demo-32,demo-8"
+DEFAULT_METHODS += ",dct-0.03,dct-topk-8-bf16,dct-topk-2,demo-32,demo-8,diloco-h50,sparseloco-h50"
 WARMUP_SKIP = 3
 """Steps left out of the median step time (first step, DDP bucket rebuild, PowerSGD start)."""
 LOSS_TAIL = 10
@@ -86,8 +100,12 @@ ARGS_FILE = "train_args.json"
 """Each run folder records its ``train.py`` arguments here (checked by ``--reuse``)."""
 FRONTIER_WORLD = 8
 """The world size at which the frontier states wire bytes and ratios."""
+FRONTIER_WORLDS = (FRONTIER_WORLD, 64)
+"""The world sizes of the frontier's wire bytes per token and ratios."""
 TARGET_RATIO = 32.0
 """The issue's target: within 1% of dense AdamW at this ratio or more at ``FRONTIER_WORLD``."""
+LOCAL_TARGETS = {8: 1000.0, 64: 100.0}
+"""Local updates' target: within 1% of dense AdamW at these ratios or more, per world size."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -105,6 +123,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--learning-rate", type=float, default=3e-3, help="AdamW lr when --adamw-lrs is empty")
     add("--adamw-lrs", default="", help="comma list: AdamW learning-rate grid")
     add("--demo-lrs", default="1e-3", help="comma list: DeMo (sign step) learning-rate grid")
+    add(
+        "--local-lrs",
+        default="",
+        help="comma list: DiLoCo/SparseLoCo inner AdamW lr grid (default: the AdamW grid)",
+    )
+    add("--epochs", type=int, default=1, help="passes over the training data a run may make")
+    add("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end)")
     add("--min-lr-ratio", type=float, default=1 / 30, help="final lr as a fraction of the peak")
     add("--warmup-steps", type=int, default=20, help="linear warmup steps")
     add("--eval-batches", type=int, default=16, help="held-out micro-batches per rank")
@@ -138,10 +163,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def learning_rates(args: argparse.Namespace, variant: Variant) -> list[float]:
     """The learning-rate grid of the variant's optimizer."""
-    if optimizer_of(variant) == "demo":
+    optimizer = optimizer_of(variant)
+    text = args.adamw_lrs or str(args.learning_rate)
+    if optimizer == "demo":
         text = args.demo_lrs
-    else:
-        text = args.adamw_lrs or str(args.learning_rate)
+    elif optimizer != "adamw":
+        text = args.local_lrs or text
     return [float(value) for value in text.split(",") if value.strip()]
 
 
@@ -158,7 +185,8 @@ def train_args(
     flags += ["--learning-rate", f"{lr:g}", "--min-lr", f"{lr * args.min_lr_ratio:g}"]
     flags += ["--warmup-steps", str(args.warmup_steps), "--restart-every", str(cycle)]
     flags += ["--seed", str(seed), "--eval-batches", str(args.eval_batches)]
-    flags += ["--log-every", "1", "--eval-every", "0", "--checkpoint-every", "0"]
+    flags += ["--log-every", "1", "--eval-every", str(args.eval_every), "--checkpoint-every", "0"]
+    flags += ["--epochs", str(args.epochs)]
     flags += ["--compression-start-step", str(args.compression_start_step), *variant.flags]
     if args.no_error_feedback:
         flags.append("--no-compression-error-feedback")
@@ -319,26 +347,34 @@ class Point:
     """One method of the frontier, at its best learning rate."""
 
     setting: Setting
-    wire: float
-    """Wire bytes per rank per step at the measured world size (last step of the last run)."""
-    wire8: float
-    ratio8: float
+    per_token: dict[int, float]
+    """Wire bytes a rank sends per token it trains, by world size (ring model)."""
+    ratio: dict[int, float]
+    """Dense fp32 ring all-reduce bytes / the method's, by world size."""
     step_time: float
     change: tuple[float, float]
 
+    @property
+    def ratio8(self) -> float:
+        """The ratio at ``FRONTIER_WORLD``."""
+        return self.ratio[FRONTIER_WORLD]
 
-def frontier(chosen: list[Setting], reference: Setting | None, nproc: int) -> list[Point]:
+
+def frontier(
+    args: argparse.Namespace, chosen: list[Setting], reference: Setting | None
+) -> list[Point]:
     """Each chosen setting (one per method) with its bytes, step time and paired change."""
+    tokens = args.batch_size * args.seq_length  # per rank per step (no accumulation)
     points = []
     for setting in chosen:
         last = setting.all_runs()[-1]
         times = [t for run in setting.all_runs() for t in run.step_times[WARMUP_SKIP:]]
+        variant = setting.variant
         points.append(
             Point(
                 setting=setting,
-                wire=float(last.comm_bytes),
-                wire8=wire_at(last, setting.variant, FRONTIER_WORLD),
-                ratio8=ring_ratio(last, setting.variant, nproc, FRONTIER_WORLD),
+                per_token={w: wire_at(last, variant, w) / tokens for w in FRONTIER_WORLDS},
+                ratio={w: ring_ratio(last, variant, args.nproc, w) for w in FRONTIER_WORLDS},
                 step_time=median_after(times, 0),
                 change=mean_se(paired_change(setting, reference)),
             )
@@ -346,26 +382,47 @@ def frontier(chosen: list[Setting], reference: Setting | None, nproc: int) -> li
     return points
 
 
-def frontier_table(points: list[Point], nproc: int) -> str:
+def _bytes_cell(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value:.3g} B" if value < 1000 else human_bytes(value)
+
+
+def frontier_table(points: list[Point]) -> str:
     """The frontier as a Markdown table."""
     rows = []
     for point in points:
         losses = list(point.setting.seed_losses().values())
-        rows.append(
-            [
-                point.setting.variant.label,
-                f"{point.setting.lr:g}",
-                human_bytes(point.wire),
-                "-" if math.isnan(point.wire8) else human_bytes(point.wire8),
-                "-" if math.isnan(point.ratio8) else f"{point.ratio8:.1f}x",
-                f"{point.step_time:.2f}",
-                pm(*mean_se(losses), 4),
-                pm(*point.change, 2, "%"),
-            ]
-        )
-    header = ["method (best lr)", "peak lr", f"wire bytes/step/rank W={nproc}"]
-    header += [f"wire bytes/step/rank W={FRONTIER_WORLD}", f"ratio W={FRONTIER_WORLD}"]
+        row = [point.setting.variant.label, f"{point.setting.lr:g}"]
+        for world in FRONTIER_WORLDS:
+            ratio = point.ratio[world]
+            row += [_bytes_cell(point.per_token[world])]
+            row += ["-" if math.isnan(ratio) else f"{ratio:.3g}x"]
+        row += [f"{point.step_time:.2f}", pm(*mean_se(losses), 4), pm(*point.change, 2, "%")]
+        rows.append(row)
+    header = ["method (best lr)", "peak lr"]
+    for world in FRONTIER_WORLDS:
+        header += [f"wire bytes/token W={world}", f"ratio W={world}"]
     header += ["step s (median)", "eval loss (mean +- SE)", "vs dense AdamW, paired"]
+    return markdown_table(header, rows)
+
+
+def curve_table(points: list[Point]) -> str:
+    """Held-out loss by step (mean over seeds) of every frontier point; "" with one eval."""
+    steps = sorted(
+        {step for p in points for run in p.setting.all_runs() for step, _ in run.eval_losses}
+    )
+    if len(steps) < 2:
+        return ""
+    rows = []
+    for point in points:
+        by_step: dict[int, list[float]] = {}
+        for run in point.setting.all_runs():
+            for step, loss in run.eval_losses:
+                by_step.setdefault(step, []).append(loss)
+        cells = [f"{statistics.fmean(by_step[s]):.3f}" if s in by_step else "-" for s in steps]
+        rows.append([point.setting.variant.label, f"{point.setting.lr:g}", *cells])
+    header = ["method (best lr)", "peak lr", *(f"step {step:,}" for step in steps)]
     return markdown_table(header, rows)
 
 
@@ -385,6 +442,9 @@ def check_targets(points: list[Point]) -> list[str]:
     """One line per frontier point the issues set a target for."""
     lines = []
     for point in points:
+        if optimizer_of(point.setting.variant) in ("diloco", "sparseloco"):
+            lines.append(local_target(point))
+            continue
         if math.isnan(point.change[0]) or point.setting.variant.name == "none":
             continue
         if point.setting.variant.name == "dct-0.5":
@@ -400,6 +460,44 @@ def check_targets(points: list[Point]) -> list[str]:
     return lines
 
 
+def local_target(point: Point) -> str:
+    """DiLoCo/SparseLoCo against the local-updates target: within 1% of dense AdamW at 1,000x
+    fewer wire bytes per token at W = 8 and 100x at W = 64; says by how much a ratio falls
+    short."""
+    ratios = []
+    for world, target in LOCAL_TARGETS.items():
+        ratio = point.ratio[world]
+        short = "" if ratio >= target else f", short by {target / ratio:.2g}x"
+        ratios.append(f"{ratio:.3g}x at W = {world} (target {target:g}x{short})")
+    label = f"- {point.setting.variant.label}: {'; '.join(ratios)}: "
+    if math.isnan(point.change[0]):
+        return label + "no paired loss"
+    return label + verdict(point.change, 1.0)
+
+
+def training_tokens(data_dir: Path) -> int:
+    """Tokens in one epoch of the training files, counted as the trainer reads them (BOS, the
+    document, EOS: ``training_data.document_tokens``)."""
+    tokenizer = load_tokenizer(str(data_dir / "tokenizer" / "mistral-7b-v0.1"))
+    total = 0
+    for file in sorted((data_dir / "c4").glob("*train*.json.gz")):
+        with gzip.open(file, "rt", encoding="utf-8") as handle:
+            for line in handle:
+                total += len(document_tokens(tokenizer, json.loads(line).get("text")))
+    return total
+
+
+def epochs_line(args: argparse.Namespace) -> str:
+    """How much of the training data a run saw."""
+    trained = args.steps * args.nproc * args.batch_size * args.seq_length
+    epoch = training_tokens(args.data_dir)
+    return (
+        f"Each run trains {trained:,} tokens ({args.steps} steps x {args.nproc} ranks x "
+        f"{args.batch_size} x {args.seq_length}): {trained / epoch:.2f} epochs of the training "
+        f"file's {epoch:,} tokens (--epochs {args.epochs})."
+    )
+
+
 def footnote(args: argparse.Namespace) -> str:
     """How the numbers were made, under the tables."""
     feedback = "off" if args.no_error_feedback else "on"
@@ -412,7 +510,10 @@ def footnote(args: argparse.Namespace) -> str:
         f"Model {model}, {args.nproc} ranks (gloo, loopback, CPU), {args.steps} steps of "
         f"{args.nproc} x {args.batch_size} x {args.seq_length} tokens, seeds {seeds} (model "
         f"init and data order), peak lr grids AdamW {args.adamw_lrs or args.learning_rate}, "
-        f"DeMo {args.demo_lrs} (warmup {args.warmup_steps}, cosine to {args.min_lr_ratio:.3g} x "
+        f"DeMo {args.demo_lrs}, DiLoCo/SparseLoCo inner AdamW "
+        f"{args.local_lrs or args.adamw_lrs or args.learning_rate} (outer steps at the papers' "
+        f"defaults), up to {args.epochs} epoch(s) of the training file "
+        f"(warmup {args.warmup_steps}, cosine to {args.min_lr_ratio:.3g} x "
         f"peak at the last step), weight decay 0.1 (decoupled, matrices only), error feedback "
         f"{feedback}, compression from step {args.compression_start_step}, {args.repeats} "
         "run(s) per setting and seed.\n"
@@ -422,52 +523,68 @@ def footnote(args: argparse.Namespace) -> str:
         "per seed 100 (L / L_dense - 1) against dense AdamW (`none`) at its best lr, then mean "
         "+- standard error over seeds. Best lr: lowest mean eval loss over the same seeds, "
         "or at the tuning seed with --tune-seed (every optimizer gets the same number of grid "
-        "points). Wire bytes: what rank 0 sends per "
-        "step under the ring model (all-reduce of S bytes: 2 (W - 1) / W x S; all-gather of p "
-        f"bytes: (W - 1) x p), measured at W = {args.nproc} and computed for W = "
-        f"{FRONTIER_WORLD} from the measured payload; ratio: dense fp32 ring all-reduce / "
-        "method at that W. Step time: median over steps after the first "
+        "points). Wire bytes per token: what a rank sends per step under the ring model "
+        "(all-reduce of S bytes: 2 (W - 1) / W x S; all-gather of p bytes: (W - 1) x p), from "
+        f"the payload measured at W = {args.nproc} (DiLoCo and SparseLoCo: averaged over the "
+        f"last H steps, one sync), divided by the {args.batch_size * args.seq_length} tokens a "
+        "rank trains per step; ratio: dense fp32 ring all-reduce / method at that W. Step time: "
+        "median over steps after the first "
         f"{WARMUP_SKIP}, all runs; this shared 2-core machine varies by about +-30% run to run."
     )
 
 
+MARKERS = {
+    "demo": ("s", "tab:red"),
+    "diloco": ("^", "tab:green"),
+    "sparseloco": ("v", "tab:purple"),
+}
+"""Marker and colour per optimizer in the PNG; AdamW on compressed gradients: blue circles."""
+
+
 def draw(points: list[Point], reference: Setting | None, path: Path) -> None:
-    """The frontier PNG: paired change against wire bytes at ``FRONTIER_WORLD`` (log x)."""
-    figure, axis = plt.subplots(figsize=(8, 5), constrained_layout=True)
+    """The frontier PNG: paired change against wire bytes per token at each of
+    ``FRONTIER_WORLDS`` (one panel each, log x)."""
+    figure, axes = plt.subplots(1, len(FRONTIER_WORLDS), figsize=(13, 5), constrained_layout=True)
+    for axis, world in zip(axes, FRONTIER_WORLDS, strict=True):
+        _panel(axis, points, reference, world)
+    figure.suptitle(
+        "compression frontier (circles: AdamW on compressed gradients, squares: DeMo, "
+        "triangles: DiLoCo up, SparseLoCo down)"
+    )
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _panel(axis: plt.Axes, points: list[Point], reference: Setting | None, world: int) -> None:
+    """One world size's panel of :func:`draw`."""
     axis.axhline(0.0, color="black", linewidth=1, label="dense AdamW (none)")
     axis.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="+1%")
     for point in points:
-        if point.setting is reference or math.isnan(point.wire8):
+        x = point.per_token[world]
+        if point.setting is reference or math.isnan(x):
             continue
         mean, se = point.change
-        demo = optimizer_of(point.setting.variant) == "demo"
+        marker, colour = MARKERS.get(optimizer_of(point.setting.variant), ("o", "tab:blue"))
         axis.errorbar(
-            point.wire8,
-            mean,
-            yerr=0.0 if math.isnan(se) else se,
-            fmt="s" if demo else "o",
-            color="tab:red" if demo else "tab:blue",
-            capsize=4,
+            x, mean, yerr=0.0 if math.isnan(se) else se, fmt=marker, color=colour, capsize=4
         )
         axis.annotate(
             f"{point.setting.variant.name} (lr {point.setting.lr:g})",
-            (point.wire8, mean),
+            (x, mean),
             textcoords="offset points",
             xytext=(6, 6),
-            fontsize=8,
+            fontsize=7,
         )
     dense = next((p for p in points if p.setting is reference), None)
     if dense is not None:
         axis.axvline(
-            dense.wire8, color="black", linestyle=":", linewidth=1, label="dense AdamW wire bytes"
-        )
+            dense.per_token[world], color="black", linestyle=":", linewidth=1,
+            label="dense AdamW wire bytes",
+        )  # fmt: skip
     axis.set_xscale("log")
-    axis.set_xlabel(f"wire bytes per rank per step at W = {FRONTIER_WORLD} (ring model)")
+    axis.set_xlabel(f"wire bytes per rank per trained token at W = {world} (ring model)")
     axis.set_ylabel("held-out loss vs dense AdamW (%, paired by seed, +- SE)")
-    axis.set_title("compression frontier (squares: DeMo, circles: AdamW on compressed gradients)")
     axis.legend(loc="upper right", fontsize=8)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 def dense_reference(settings: list[Setting]) -> Setting | None:
@@ -489,10 +606,14 @@ def report(args: argparse.Namespace, settings: list[Setting]) -> tuple[str, list
         chosen = [s for s in chosen if s.runs]
         title = f"Grid at the tuning seed {args.tune_seed} (every method at every learning rate):"
     reference = dense_reference(chosen)
-    points = frontier(chosen, reference, args.nproc)
+    points = frontier(args, chosen, reference)
     text = f"{title}\n\n" + grid_table(grid, dense_reference(grid))
     text += "\n\nFrontier (each method at its best learning rate):\n\n"
-    text += frontier_table(points, args.nproc) + "\n\n" + footnote(args) + "\n"
+    text += frontier_table(points) + "\n\n" + footnote(args) + "\n" + epochs_line(args) + "\n"
+    curves = curve_table(points)
+    if curves:
+        text += "\nHeld-out loss by step (mean over seeds), each method at its best lr:\n\n"
+        text += curves + "\n"
     targets = check_targets(points)
     if targets:
         text += "\nTargets:\n" + "\n".join(targets) + "\n"

@@ -16,6 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_distributed
+from tiny_models import (
+    accumulate_local_batches,
+    flat_parameters,
+    random_gradients,
+    random_parameters,
+    small_mlp,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from torchrun_ddp.architecture import llama2_7b_config
@@ -42,17 +49,15 @@ SHAPES = [(24, 40), (130,), (7,)]
 STEPS = 20
 RESUME_AT = 10
 MODEL_NUMEL = 16 * 96 + 96 + 96 * 4 + 4
-"""Parameters of ``_model``."""
+"""Parameters of ``small_mlp``."""
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    return random_parameters(SHAPES, seed)
 
 
 def _grads(step: int, rank: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+    return random_gradients(SHAPES, step, rank)
 
 
 def _full_topk_equals_sgd(rank: int) -> float:
@@ -109,25 +114,13 @@ def _transmitted_plus_kept(rank: int) -> dict[str, float]:
 Trained = tuple[DistributedDataParallel, DeMo, CompressionState]
 
 
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
-
-
 def _train(trained: Trained, rank: int, steps: range) -> list[dict[str, object]]:
     """DeMo steps of 2 accumulated micro-batches (the first under ``no_sync``); this rank's own
     data. Returns the per-step byte counts."""
     ddp, demo, state = trained
     counts = []
     for step in steps:
-        generator = torch.Generator().manual_seed(100 * step + rank)
-        for micro in range(2):
-            inputs = torch.randn(8, 16, generator=generator)
-            target = torch.randn(8, 4, generator=generator)
-            context = ddp.no_sync() if micro == 0 else torch.enable_grad()
-            with context:
-                loss = torch.nn.functional.mse_loss(ddp(inputs), target) / 2
-                loss.backward()
+        accumulate_local_batches(ddp, step, rank)
         demo.step()
         demo.zero_grad(set_to_none=True)
         counts.append(state.pop_step_bytes()._asdict())
@@ -135,15 +128,11 @@ def _train(trained: Trained, rank: int, steps: range) -> list[dict[str, object]]
 
 
 def _build(seed: int) -> Trained:
-    ddp = DistributedDataParallel(_model(seed))
+    ddp = DistributedDataParallel(small_mlp(seed))
     state = register_local_gradients(ddp)
     groups = parameter_groups(ddp.module, 0.1)
     demo = DeMo(groups, lr=0.01, settings=DemoSettings(topk=8), counter=state.count)
     return ddp, demo, state
-
-
-def _flat(module: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
 def _momentum(demo: DeMo) -> torch.Tensor:
@@ -155,7 +144,7 @@ def _training(rank: int, root: str) -> dict[str, object]:
     load it and redo steps 11-20."""
     trained = _build(seed=5)
     ddp, demo, _ = trained
-    start = _flat(ddp.module).clone()
+    start = flat_parameters(ddp.module).clone()
     counts = _train(trained, rank, range(RESUME_AT))
     shared = {"train": ModelAndOptimizer(ddp, None)}
     per_rank = {"optimizer": LocalMomentum(demo).state_dict()}
@@ -169,8 +158,8 @@ def _training(rank: int, root: str) -> dict[str, object]:
     shapes = [tuple(p.shape) for p in ddp.module.parameters()]
     return {
         "start": start,
-        "final": _flat(ddp.module),
-        "resumed": _flat(fresh.module),
+        "final": flat_parameters(ddp.module),
+        "resumed": flat_parameters(fresh.module),
         "momentum": _momentum(demo),
         "resumed_momentum": _momentum(fresh_demo),
         "counts": counts,

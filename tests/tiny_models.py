@@ -1,5 +1,6 @@
-"""Models small enough that spawned gloo ranks build and train them in seconds, and a helper that
-runs the real trainer on a spawned rank."""
+"""Models small enough that spawned gloo ranks build and train them in seconds, a helper that
+runs the real trainer on a spawned rank, and the seeded parameters, gradients and micro-batches of
+the optimizer tests (DeMo, DiLoCo, SparseLoCo)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig
 
 from torchrun_ddp.build import prepare_inputs
@@ -90,3 +92,39 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
         sha.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
         sha.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return sha.hexdigest()
+
+
+def random_parameters(shapes: list[tuple[int, ...]], seed: int) -> list[torch.nn.Parameter]:
+    """Standard-normal parameters of ``shapes``, the same for the same ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+
+
+def random_gradients(shapes: list[tuple[int, ...]], step: int, rank: int) -> list[torch.Tensor]:
+    """Standard-normal gradients of ``shapes``, one draw per (step, rank): each rank's own."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def small_mlp(seed: int) -> torch.nn.Module:
+    """Linear(16, 96), tanh, Linear(96, 4), initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
+
+
+def accumulate_local_batches(ddp: DistributedDataParallel, step: int, rank: int) -> None:
+    """Backward of 2 accumulated micro-batches (the first under ``no_sync``) of this rank's own
+    random regression data for ``step`` through ``small_mlp``'s DDP wrapper."""
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    for micro in range(2):
+        inputs = torch.randn(8, 16, generator=generator)
+        target = torch.randn(8, 4, generator=generator)
+        context = ddp.no_sync() if micro == 0 else torch.enable_grad()
+        with context:
+            loss = torch.nn.functional.mse_loss(ddp(inputs), target) / 2
+            loss.backward()
+
+
+def flat_parameters(module: torch.nn.Module) -> torch.Tensor:
+    """All parameters of ``module``, flattened and concatenated (a copy)."""
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])

@@ -32,13 +32,17 @@ from torchrun_ddp.architecture import (
 )
 from torchrun_ddp.checkpoint import StartPlan, plan_start, read_meta, verify_start
 from torchrun_ddp.compression import (
+    LOCAL_UPDATE_METHODS,
     CompressionState,
     DemoSettings,
     build_demo,
+    build_local_updates,
     compression_settings,
+    local_update_settings,
     register_compression,
     register_local_gradients,
 )
+from torchrun_ddp.compression.local_updates import describe as describe_local_updates
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv, new_node_groups
 from torchrun_ddp.dry_run import check_fits
@@ -90,6 +94,8 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     """Check the model, memory plan, tokenizer, data paths and compression settings; raises
     UserError on the first problem."""
     compression_settings(config)
+    if config.optimizer in LOCAL_UPDATE_METHODS:
+        local_update_settings(config)
     check_device(config.device)
     if config.compression_scope == "inter-node":
         check_node_layout(env)
@@ -291,7 +297,7 @@ def build_ddp_model(
         config.ddp_static_graph,
     )
     node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
-    if config.optimizer == "demo":  # DeMo exchanges momentum itself: DDP keeps gradients local
+    if config.optimizer != "adamw":  # DeMo, DiLoCo, SparseLoCo exchange themselves: DDP stays local
         compression = register_local_gradients(ddp_model)
     else:
         compression = register_compression(
@@ -305,16 +311,23 @@ def build_ddp_model(
 def build_trainer_optimizer(
     config: TrainConfig, model: torch.nn.Module, compression: CompressionState
 ) -> Optimizer:
-    """AdamW (``optimizer.build_optimizer``: fused/foreach, ZeRO-1), or DeMo (``compression.demo``,
-    which all-gathers its compressed momentum itself and counts the bytes in ``compression``)."""
+    """AdamW (``optimizer.build_optimizer``: fused/foreach, ZeRO-1), DeMo (``compression.demo``,
+    which all-gathers its compressed momentum itself), or DiLoCo/SparseLoCo
+    (``compression.local_updates``: that AdamW stepped locally, a sync every --local-steps); the
+    last two count their bytes in ``compression``."""
     if config.optimizer != "demo":
-        return build_optimizer(
+        adamw = build_optimizer(
             model,
             config.learning_rate,
             config.weight_decay,
             implementation=config.adamw_implementation,
             zero1=config.zero1,
         )
+        if config.optimizer not in LOCAL_UPDATE_METHODS:
+            return adamw
+        settings = local_update_settings(config)
+        log.info("local updates: %s", describe_local_updates(settings))
+        return build_local_updates(adamw, settings, compression)
     demo = DemoSettings(
         config.demo_beta, config.demo_topk, config.demo_tile_size, config.demo_value_dtype
     )

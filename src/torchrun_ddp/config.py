@@ -114,7 +114,11 @@ class TrainConfig:
         "do not divide. Off: the global batch follows the world size.",
     )
     # Optimisation
-    learning_rate: float = _opt(1e-5, "Peak learning rate of AdamW (of DeMo's sign step).")
+    learning_rate: float = _opt(
+        1e-5,
+        "Peak learning rate of AdamW (of DeMo's sign step; of the inner AdamW under diloco and "
+        "sparseloco).",
+    )
     weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to norms and biases).")
     warmup_steps: int = _opt(250, "Optimizer steps of linear warmup.")
     restart_every: int = _opt(
@@ -132,9 +136,13 @@ class TrainConfig:
         "adamw",
         "adamw: AdamW on the gradients DDP averages (through --compression); demo: DeMo (Peng et "
         "al. 2024): momentum on local gradients, top-k DCT coefficients per tile all-gathered, "
-        "sign step (--learning-rate is then the sign step's size; needs --compression none and no "
-        "--zero1).",
-        choices=["adamw", "demo"],
+        "sign step (--learning-rate is then the sign step's size); diloco: DiLoCo (Douillard et "
+        "al. 2023): --local-steps of AdamW on each rank's own gradients, then an all-reduce of the "
+        "pseudo-gradient and an outer Nesterov SGD step; sparseloco: SparseLoCo (Sarfi et al. "
+        "2025): the same with per-rank error feedback, top-k per chunk and 2-bit values, "
+        "all-gathered (see docs/local_updates.md). demo, diloco and sparseloco need "
+        "--compression none and no --zero1.",
+        choices=["adamw", "demo", "diloco", "sparseloco"],
     )
     demo_topk: int = _opt(32, "--optimizer demo: DCT coefficients sent per tile (paper: 32).")
     demo_tile_size: int = _opt(
@@ -145,6 +153,46 @@ class TrainConfig:
         "bfloat16",
         "--optimizer demo: dtype of the coefficient values sent (indices: uint8/int16).",
         choices=["bfloat16", "float16", "float32"],
+    )
+    local_steps: int = _opt(
+        0,
+        "--optimizer diloco/sparseloco: optimizer steps between syncs (H); 0: the paper's, "
+        "DiLoCo 500 (Douillard et al. 2023, arXiv:2311.08105), SparseLoCo 15 (Sarfi et al. 2025, "
+        "arXiv:2508.15706; it reports H 15 to 250).",
+    )
+    outer_lr: float = _opt(
+        0.0,
+        "--optimizer diloco/sparseloco: outer SGD learning rate; 0: the paper's, DiLoCo 0.7, "
+        "SparseLoCo 1.",
+    )
+    outer_momentum: float = _opt(
+        0.9,
+        "--optimizer diloco: outer Nesterov momentum in [0, 1) (paper: 0.9); 0: plain outer SGD. "
+        "SparseLoCo has none (its error feedback takes that role).",
+    )
+    pseudo_gradient_dtype: str = _opt(
+        "float32",
+        "--optimizer diloco: dtype of the all-reduced pseudo-gradient (bfloat16 halves the bytes).",
+        choices=["float32", "bfloat16"],
+    )
+    sparseloco_topk: int = _opt(
+        64,
+        "--optimizer sparseloco: values sent per chunk (64 of a 64 x 64 chunk: density 1/64, "
+        "1.6 percent; the paper reports 1 to 3 percent).",
+    )
+    sparseloco_chunk: int = _opt(
+        64,
+        "--optimizer sparseloco: largest chunk side; a matrix is cut into chunks of up to 64 x 64 "
+        "= 4096 values (each side the largest divisor <= this, as DeMo's tiles), a vector into "
+        "chunks of up to 64.",
+    )
+    sparseloco_beta: float = _opt(
+        0.95, "--optimizer sparseloco: error-feedback decay in [0, 1) (e <- beta e + delta)."
+    )
+    quant_bits: int = _opt(
+        2,
+        "--optimizer sparseloco: bits per value sent, 1 to 8, with one fp32 scale per chunk "
+        "(paper: 2); 0 sends fp32 values.",
     )
     max_grad_norm: float = _opt(1.0, "Gradient clipping threshold (global L2 norm).")
     epochs: int = _opt(1, "Passes over the training data.")
@@ -465,6 +513,7 @@ def _validate_combinations(config: TrainConfig) -> None:
         raise UserError("--min-lr must not exceed --learning-rate")
     _validate_lora(config)
     _validate_demo(config)
+    _validate_local_updates(config)
     if config.ddp_static_graph and config.accumulation_steps > 1:
         raise UserError(
             "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "
@@ -473,24 +522,44 @@ def _validate_combinations(config: TrainConfig) -> None:
 
 
 def _validate_demo(config: TrainConfig) -> None:
-    """Reject DeMo hyperparameters out of range (whatever --optimizer is) and settings DeMo
-    cannot run with."""
+    """Reject DeMo hyperparameters out of range (whatever --optimizer is) and settings that
+    DeMo, DiLoCo and SparseLoCo (optimizers that communicate themselves) cannot run with."""
     if config.demo_topk < 1 or config.demo_tile_size < 2 or not 0.0 <= config.demo_beta < 1.0:
         raise UserError(
             f"--demo-topk must be >= 1, --demo-tile-size >= 2 and --demo-beta in [0, 1), got "
             f"{config.demo_topk}, {config.demo_tile_size} and {config.demo_beta}"
         )
-    if config.optimizer != "demo":
+    if config.optimizer == "adamw":
         return
     if config.compression != "none":
         raise UserError(
-            f"--optimizer demo compresses its own momentum and cannot run on top of "
+            f"--optimizer {config.optimizer} does its own communication and cannot run on top of "
             f"--compression {config.compression}; use --compression none"
         )
     if config.zero1:
         raise UserError(
-            "--optimizer demo does not work with --zero1 (ZeRO-1 shards AdamW's state; DeMo's "
-            "momentum is per-rank error feedback); drop --zero1"
+            f"--optimizer {config.optimizer} does not work with --zero1 (ZeRO-1 shards one "
+            "optimizer state over ranks that step the same gradient; here each rank's state and "
+            "update are its own); drop --zero1"
+        )
+
+
+def _validate_local_updates(config: TrainConfig) -> None:
+    """Reject DiLoCo/SparseLoCo hyperparameters out of range, whatever --optimizer is."""
+    if config.local_steps < 0 or config.outer_lr < 0 or not 0.0 <= config.outer_momentum < 1.0:
+        raise UserError(
+            f"--local-steps and --outer-lr must be >= 0 (0: the paper's) and --outer-momentum in "
+            f"[0, 1), got {config.local_steps}, {config.outer_lr} and {config.outer_momentum}"
+        )
+    if config.sparseloco_topk < 1 or config.sparseloco_chunk < 2:
+        raise UserError(
+            f"--sparseloco-topk must be >= 1 and --sparseloco-chunk >= 2, got "
+            f"{config.sparseloco_topk} and {config.sparseloco_chunk}"
+        )
+    if not 0.0 <= config.sparseloco_beta < 1.0 or not 0 <= config.quant_bits <= 8:
+        raise UserError(
+            f"--sparseloco-beta must be in [0, 1) and --quant-bits 0 (none) to 8, got "
+            f"{config.sparseloco_beta} and {config.quant_bits}"
         )
 
 

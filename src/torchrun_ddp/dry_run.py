@@ -22,11 +22,21 @@ from torchrun_ddp.architecture import (
     missing_sizes,
     parameter_sizes,
 )
-from torchrun_ddp.compression import compression_settings
+from torchrun_ddp.compression import (
+    LOCAL_UPDATE_METHODS,
+    compression_settings,
+    diloco_payload_bytes,
+    local_update_settings,
+    sparseloco_payload_bytes,
+)
+from torchrun_ddp.compression.local_updates import PSEUDO_GRADIENT_DTYPES, MemoryRow, memory_rows
+from torchrun_ddp.compression.local_updates import describe as describe_local_updates
 from torchrun_ddp.compression.plan import (
+    CommEstimate,
     Topology,
     communication_table,
     demo_estimate,
+    local_update_estimates,
     reference_methods,
     state_bytes,
 )
@@ -84,6 +94,11 @@ def plan_run(
         world_size,
         config.ddp_bucket_cap_mb * 2**20,
     )
+    for row in local_update_memory(config, model_config, world_size):  # persistent: all phases;
+        if row.persistent:  # a sync's temporaries as end-of-backward buffers, an upper bound
+            state += row.nbytes
+        else:
+            buffers = max(buffers, row.nbytes)
     settings = dataclasses.replace(
         plan_settings(config, world_size, memory_gib, adapters),
         compression_state_bytes=state,
@@ -119,8 +134,35 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     if hints:
         lines.append("would fit with:")
         lines.extend(f"  {hint}" for hint in hints)
+    extra = local_update_memory(config, model_config, plan.settings.world_size)
+    if extra:
+        lines.append(local_update_memory_table(extra, config))
     shapes = trained_shapes(config, model_config)
     lines.append(communication_plan(config, env, shapes, plan.flops_per_token))
+    return "\n".join(lines)
+
+
+def local_update_memory(
+    config: TrainConfig, model_config: PretrainedConfig, world_size: int
+) -> list[MemoryRow]:
+    """What --optimizer diloco|sparseloco adds per rank (``local_updates.memory_rows``); empty
+    for other optimizers. ``plan_run`` counts the persistent rows as compression state and the
+    sync's temporaries as compression buffers: those peak at the end of backward, with the
+    gradients and one layer's activations alive, which bounds the sync (in the optimizer step,
+    with the gradients alive) from above."""
+    if config.optimizer not in LOCAL_UPDATE_METHODS:
+        return []
+    shapes = trained_shapes(config, model_config)
+    return memory_rows(local_update_settings(config), shapes, world_size)
+
+
+def local_update_memory_table(rows: list[MemoryRow], config: TrainConfig) -> str:
+    """The rows of :func:`local_update_memory` as a Markdown table in GiB per rank."""
+    title = describe_local_updates(local_update_settings(config))
+    lines = [f"| {title}: extra memory (in the plan above) | GiB per rank |", "|---|---:|"]
+    for row in rows:
+        kind = "kept" if row.persistent else "during a sync"
+        lines.append(f"| {row.name} ({kind}) | {row.nbytes / 2**30:.2f} |")
     return "\n".join(lines)
 
 
@@ -149,20 +191,49 @@ def communication_plan(
     compute_s = tokens * flops_per_token / (config.plan_tflops * 1e12)
     sizes = [math.prod(shape) for shape in shapes]
     methods = reference_methods(config.compression_block_size)
-    first = None
-    if config.optimizer == "demo":
-        dtype = TOPK_VALUE_DTYPES[config.demo_value_dtype]
-        demo = demo_estimate(shapes, config.demo_topk, config.demo_tile_size, dtype, topo)
-        first = (f"demo k={config.demo_topk} tile {config.demo_tile_size}", demo)
-    else:
+    first = optimizer_rows(config, shapes, topo)
+    if config.optimizer == "adamw":
         methods = [compression_settings(config), *methods]
     header = (
         f"communication plan: {world} ranks = {topo.nodes} node(s) x {per_node}, links "
         f"{config.plan_intra_node_gbit:g} Gbit/s in a node, {config.plan_inter_node_gbit:g} "
         f"Gbit/s between nodes; compute {compute_s:.4g} s per step ({tokens} tokens per rank at "
-        f"{config.plan_tflops:g} TFLOP/s); first row: this run's --optimizer demo or --compression"
+        f"{config.plan_tflops:g} TFLOP/s); first rows: this run's --optimizer (diloco and "
+        "sparseloco: one sync, then its share of a step; DeMo k 32 next to them) or --compression"
     )
     return "\n".join([header, communication_table(methods, sizes, topo, compute_s, first)])
+
+
+def optimizer_rows(
+    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology
+) -> list[tuple[str, CommEstimate]]:
+    """The communication plan's rows for an optimizer that communicates itself: DeMo's
+    all-gather (``plan.demo_estimate``), or DiLoCo's / SparseLoCo's sync and its share of a step
+    (``plan.local_update_estimates``) followed by DeMo at its defaults (k 32, 64 x 64 tiles,
+    bf16) for comparison; none for AdamW (its --compression leads the table instead)."""
+    if config.optimizer == "adamw":
+        return []
+    if config.optimizer == "demo":
+        dtype = TOPK_VALUE_DTYPES[config.demo_value_dtype]
+        demo = demo_estimate(shapes, config.demo_topk, config.demo_tile_size, dtype, topo)
+        return [(f"demo k={config.demo_topk} tile {config.demo_tile_size}", demo)]
+    settings = local_update_settings(config)
+    if settings.method == "diloco":
+        dtype = PSEUDO_GRADIENT_DTYPES[settings.pseudo_gradient_dtype]
+        collective, payload = "all_reduce", diloco_payload_bytes(sum(map(math.prod, shapes)), dtype)
+    else:
+        collective = "all_gather"
+        payload = sparseloco_payload_bytes(
+            shapes, settings.topk, settings.chunk, settings.quant_bits
+        )
+    sync, per_step = local_update_estimates(collective, payload, settings.local_steps, topo)
+    demo = demo_estimate(shapes, 32, 64, torch.bfloat16, topo)
+    name = describe_local_updates(settings)
+    return [
+        (f"{name}: one sync", sync),
+        (f"{name}: per step (sync / {settings.local_steps})", per_step),
+        ("demo k=32 tile 64 (default, for comparison)", demo),
+    ]
 
 
 def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv) -> None:

@@ -5,7 +5,9 @@ forward and backward through the DDP model (``no_sync`` on all but the last micr
 gradients are all-reduced once per step), clip, step, schedule. On log steps the ranks reduce
 the loss and, in the same all-reduce, agree whether to go on: every rank has read the data up to
 the next log step, and nobody was asked to stop. Between log steps there is no collective but
-the gradient all-reduce and no host synchronisation. Evaluate and checkpoint on their cadences.
+the gradient all-reduce (or the exchange of an optimizer that communicates itself: DeMo every
+step, DiLoCo and SparseLoCo every --local-steps) and no host synchronisation. Evaluate and
+checkpoint on their cadences.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torchrun_ddp.build import (
 from torchrun_ddp.checkpoint import (
     record_run_id,
 )
+from torchrun_ddp.compression import LocalUpdates
 from torchrun_ddp.config import TrainConfig, save_config
 from torchrun_ddp.distributed import (
     DistEnv,
@@ -231,6 +234,15 @@ def after_step(trainer: Trainer) -> None:
 def finish(trainer: Trainer) -> None:
     """The last evaluation and checkpoint, unless the last step already made them."""
     config, step = trainer.config, trainer.step
+    optimizer = trainer.optimizer
+    if isinstance(optimizer, LocalUpdates) and optimizer.position:
+        log.warning(
+            "training ends %d steps after the last sync: the last evaluation averages the "
+            "ranks' own parameters and rank 0's are exported; end on a multiple of "
+            "--local-steps (%d) for the synchronised model",
+            optimizer.position,
+            optimizer.settings.local_steps,
+        )
     if config.eval_every == 0 or step % config.eval_every != 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
     if config.checkpoint_every == 0 or step % config.checkpoint_every != 0:

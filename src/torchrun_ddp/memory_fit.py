@@ -19,7 +19,7 @@ _FLAGS: dict[str, Callable[[PlanSettings], PlanSettings | None]] = {
         replace(s, precision="bf16-mixed") if s.precision == "fp32" else None
     ),
     "--precision bf16": lambda s: replace(s, precision="bf16") if s.precision != "bf16" else None,
-    "--zero1": lambda s: None if s.zero1 or s.optimizer == "demo" else replace(s, zero1=True),
+    "--zero1": lambda s: None if s.zero1 or s.optimizer != "adamw" else replace(s, zero1=True),
     "--activation-checkpointing": lambda s: (
         None if s.activation_checkpointing else replace(s, activation_checkpointing=True)
     ),

@@ -7,9 +7,13 @@ spent waiting for data), ``grad_norm`` (global L2 norm before clipping), ``peak_
 (CUDA max allocated, or peak resident set size of the process on CPU), ``comm_bytes`` /
 ``comm_bytes_dense`` (gradient bytes a rank sends on the wire per step under the ring model, and
 what a dense fp32 ring all-reduce at the same world size would send), ``comm_bytes_collective``
-(bytes handed to collectives), ``compression_ratio`` (dense / sent); evaluation records carry
-``eval_loss`` and ``eval_ppl``. Every line of ``metrics.jsonl`` also carries the ``run_id`` of the
-run that wrote it (the id in the checkpoint folder's ``run.json``).
+(bytes handed to collectives), ``compression_ratio`` (dense / sent; left out of a window that sent
+nothing). The byte counts are averages per step over the logging window of what was counted in
+the steps that sent it: an optimizer that syncs every H steps (DiLoCo, SparseLoCo) counts its
+whole message in the sync step, so at ``--log-every 1`` the other steps read 0, and at a
+``--log-every`` that is a multiple of H each record gives the average per step. Evaluation
+records carry ``eval_loss`` and ``eval_ppl``. Every line of ``metrics.jsonl`` also carries the
+``run_id`` of the run that wrote it (the id in the checkpoint folder's ``run.json``).
 """
 
 from __future__ import annotations
@@ -348,8 +352,9 @@ class LogWindow:
             "comm_bytes": wire,
             "comm_bytes_dense": dense,
             "comm_bytes_collective": collective,
-            "compression_ratio": dense / max(1, wire),
         }
+        if wire:  # a window that sent nothing (between two syncs of DiLoCo) has no ratio
+            record["compression_ratio"] = dense / wire
         self.reset()
         return record, [value > 0 for value in values[1:]]
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -31,7 +33,7 @@ from torchrun_ddp.checkpoint import (
     save_checkpoint,
     seed_rng,
 )
-from torchrun_ddp.compression import DeMo, LocalMomentum
+from torchrun_ddp.compression import DeMo, LocalMomentum, LocalUpdates, RankState, SyncedState
 from torchrun_ddp.config import global_batch_accumulation
 from torchrun_ddp.model import lora_settings
 from torchrun_ddp.training_data import DATA_ORDER
@@ -40,24 +42,33 @@ log = logging.getLogger("torchrun_ddp")
 
 
 def shared_state(trainer: Trainer) -> dict[str, Stateful]:
-    """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it),
-    learning-rate schedule."""
-    per_rank = trainer.config.zero1 or trainer.config.optimizer == "demo"  # see rank_state
+    """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it or it is
+    per rank), learning-rate schedule; under DiLoCo/SparseLoCo the synced parameters, outer
+    momentum and window position (``outer``). Between two syncs the ranks' parameters differ:
+    ``train`` then holds one rank's for each tensor, and ``rank_state`` each rank's own."""
+    per_rank = trainer.config.zero1 or trainer.config.optimizer != "adamw"  # see rank_state
     optimizer = None if per_rank else trainer.optimizer
     frozen_base = trainer.config.peft != "none"  # rebuilt from --model (and --seed) on resume
-    return {
+    state: dict[str, Stateful] = {
         "train": ModelAndOptimizer(trainer.model, optimizer, trainable_only=frozen_base),
         "scheduler": trainer.scheduler,
     }
+    if isinstance(trainer.optimizer, LocalUpdates):
+        state["outer"] = SyncedState(trainer.optimizer)
+    return state
 
 
 def rank_state(trainer: Trainer) -> dict[str, Stateful]:
-    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard."""
+    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard,
+    DeMo's momentum, DiLoCo/SparseLoCo's inner AdamW state (and local parameters inside a
+    window, and SparseLoCo's error feedback; see ``compression.local_updates``)."""
     state: dict[str, Stateful] = {"data": trainer.data, "compression": trainer.compression}
     if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
         state["optimizer"] = ShardedOptimizer(trainer.optimizer, trainer.model)
     if isinstance(trainer.optimizer, DeMo):  # each rank's momentum is its own
         state["optimizer"] = LocalMomentum(trainer.optimizer)
+    if isinstance(trainer.optimizer, LocalUpdates):  # each rank's inner AdamW is its own
+        state["optimizer"] = RankState(trainer.optimizer)
     return state
 
 
@@ -71,7 +82,7 @@ def sharded_state(trainer: Trainer) -> dict[str, ShardedOptimizer]:
 def run_identity(trainer: Trainer) -> dict[str, object]:
     """What a checkpoint must match to be resumed by this run."""
     config = trainer.config
-    return {
+    identity: dict[str, object] = {
         "model": model_fingerprint(trainer.model),
         "vocab_size": trainer.model.module.config.vocab_size,
         "compression": config.compression,
@@ -86,6 +97,9 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
         "dataset": [config.dataset, config.dataset_config] if not config.data_files else None,
         "peft": None if config.peft == "none" else dataclasses.asdict(lora_settings(config)),
     }
+    if isinstance(trainer.optimizer, LocalUpdates):  # the outer state's tensors must match
+        identity["outer_momentum"] = bool(trainer.optimizer.settings.outer_momentum)
+    return identity
 
 
 def save(trainer: Trainer) -> Path:
@@ -169,8 +183,23 @@ def resume_resharded(trainer: Trainer, path: Path) -> None:
         log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
     if isinstance(trainer.optimizer, DeMo):  # per-rank momentum: W' ranks cannot share W's
         log.warning("DeMo momentum saved at another world size is reset to zero")
+    elif isinstance(trainer.optimizer, LocalUpdates):  # its synced state loaded with the shared
+        resume_local_updates(trainer.optimizer, trainer.env.rank, path)
     elif isinstance(trainer.optimizer, ZeroRedundancyOptimizer):  # hyperparameters, as rank 0's
         ShardedOptimizer(trainer.optimizer, trainer.model).load_state_dict(
             load_rank_states(path, "optimizer", [0])[0]
         )
     seed_rng(f"{trainer.config.seed}:{trainer.step}:{trainer.env.rank}")
+
+
+def resume_local_updates(optimizer: LocalUpdates, rank: int, path: Path) -> None:
+    """DiLoCo/SparseLoCo at another world size: the synced parameters, outer momentum and window
+    position were loaded with the shared state; new rank ``r`` takes old rank ``r mod W_old``'s
+    inner AdamW state, and what cannot carry over is dropped with a warning (see
+    ``RankState.load_resharded``)."""
+    old_rank = rank % int(read_meta(path)["world_size"])
+    saved = load_rank_states(path, "optimizer", [old_rank])[0]
+    dropped = RankState(optimizer).load_resharded(cast(Mapping[str, object], saved))
+    log.warning("local updates at another world size: inner AdamW state of old rank %d", old_rank)
+    for line in dropped:
+        log.warning("local updates at another world size: dropped %s", line)

@@ -4,7 +4,8 @@
 tiles), ``hooks`` (one comm hook per method, :func:`register_compression`), ``state`` (error
 feedback, PowerSGD memories, ``state_dict``/``load_state_dict``), ``wire`` (bytes on the wire),
 ``demo`` (the DeMo optimizer, which compresses momentum and runs its own all-gather, and the comm
-hook that leaves DDP's gradients local for it).
+hook that leaves DDP's gradients local for it), ``local_updates`` (DiLoCo and SparseLoCo: local
+AdamW steps, a sync every H steps), ``plan`` (costs before a run).
 """
 
 from torchrun_ddp.compression.demo import (
@@ -16,6 +17,15 @@ from torchrun_ddp.compression.demo import (
     validate_demo,
 )
 from torchrun_ddp.compression.hooks import compression_hook, register_compression
+from torchrun_ddp.compression.local_updates import (
+    LOCAL_UPDATE_METHODS,
+    LocalUpdates,
+    LocalUpdateSettings,
+    RankState,
+    SyncedState,
+    build_local_updates,
+    local_update_settings,
+)
 from torchrun_ddp.compression.settings import (
     METHODS,
     SCOPED_METHODS,
@@ -41,12 +51,15 @@ from torchrun_ddp.compression.wire import (
     dct_payload_bytes,
     demo_payload_bytes,
     dense_wire_bytes,
+    diloco_payload_bytes,
+    sparseloco_payload_bytes,
     topk_break_even_world_size,
     topk_payload_bytes,
     wire_bytes,
 )
 
 __all__ = [
+    "LOCAL_UPDATE_METHODS",
     "METHODS",
     "SCOPED_METHODS",
     "SCOPES",
@@ -58,22 +71,30 @@ __all__ = [
     "DeMo",
     "DemoSettings",
     "LocalMomentum",
+    "LocalUpdateSettings",
+    "LocalUpdates",
+    "RankState",
     "StepBytes",
+    "SyncedState",
     "block_layout",
     "build_demo",
+    "build_local_updates",
     "compression_hook",
     "compression_settings",
     "dct_basis",
     "dct_payload_bytes",
     "demo_payload_bytes",
     "dense_wire_bytes",
+    "diloco_payload_bytes",
     "index_dtype",
     "keeps_residual",
     "kept_coefficients",
     "kept_frequencies",
+    "local_update_settings",
     "powersgd_slices",
     "register_compression",
     "register_local_gradients",
+    "sparseloco_payload_bytes",
     "tile_shape",
     "topk_break_even_world_size",
     "topk_payload_bytes",

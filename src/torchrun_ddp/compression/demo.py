@@ -109,6 +109,26 @@ class TileCodec:
         """Dtype of a position inside a tile on the wire (uint8 up to 256 elements, else int16)."""
         return index_dtype(self.tile_numel)
 
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """Tiles of ``x`` (the parameter's shape) as rows, [n_tiles, tile_numel], without a
+        transform: a view of ``x`` for 1-D tiles, a copy for 2-D ones."""
+        return self._grid(x).reshape(self.n_tiles, self.tile_numel)
+
+    def join(self, tiles: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`split`: [n_tiles, tile_numel] -> the parameter's shape."""
+        if len(self.sides) == 1:
+            return tiles.reshape(self.shape)
+        r, c = self.sides
+        grid = tiles.reshape(-1, self.shape[-1] // c, r, c)
+        return grid.transpose(1, 2).reshape(self.shape)
+
+    def _grid(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as [n_tiles, c] (1-D tiles) or [R / r, C / c, r, c] (2-D tiles), a view."""
+        if len(self.sides) == 1:
+            return x.reshape(-1, self.sides[0])
+        r, c = self.sides
+        return x.reshape(-1, r, self.shape[-1] // c, c).transpose(1, 2)
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Tiles of ``x`` (the parameter's shape, fp32) -> DCT coefficients [n_tiles, tile_numel].
 
@@ -116,23 +136,20 @@ class TileCodec:
         """
         if len(self.sides) == 1:
             (c,) = self.sides
-            return x.reshape(-1, c) @ dct_basis(c, x.device).T
+            return self._grid(x) @ dct_basis(c, x.device).T
         r, c = self.sides
-        cols = self.shape[-1]
-        tiles = x.reshape(-1, r, cols // c, c).transpose(1, 2)
-        coeffs = dct_basis(r, x.device) @ tiles @ dct_basis(c, x.device).T
+        coeffs = dct_basis(r, x.device) @ self._grid(x) @ dct_basis(c, x.device).T
         return coeffs.reshape(self.n_tiles, self.tile_numel)
 
     def decode(self, coeffs: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`encode`: [n_tiles, tile_numel] fp32 -> the parameter's shape."""
         if len(self.sides) == 1:
             (c,) = self.sides
-            return (coeffs @ dct_basis(c, coeffs.device)).reshape(self.shape)
+            return self.join(coeffs @ dct_basis(c, coeffs.device))
         r, c = self.sides
-        cols = self.shape[-1]
-        tiles = coeffs.reshape(-1, cols // c, r, c)
+        tiles = coeffs.reshape(-1, self.shape[-1] // c, r, c)
         values = dct_basis(r, coeffs.device).T @ tiles @ dct_basis(c, coeffs.device)
-        return values.transpose(1, 2).reshape(self.shape)
+        return self.join(values.reshape(self.n_tiles, self.tile_numel))
 
     @property
     def value_count(self) -> int:

@@ -139,6 +139,28 @@ def demo_estimate(
     return replace(comm, waits="in the optimizer step")
 
 
+def local_update_estimates(
+    collective: str, payload: float, local_steps: int, topo: Topology
+) -> tuple[CommEstimate, CommEstimate]:
+    """DiLoCo's or SparseLoCo's sync (``--optimizer diloco|sparseloco``): one ``collective``
+    (all-reduce of the pseudo-gradient, or all-gather of each rank's top-k message) of
+    ``payload`` bytes per rank, once every ``local_steps`` optimizer steps, run in the optimizer
+    step (it never overlaps backward). Returns (one sync, its share of one step: every figure
+    divided by ``local_steps``). Douillard et al. 2023, arXiv:2311.08105; Sarfi et al. 2025,
+    arXiv:2508.15706."""
+    sync = replace(
+        _global(collective, payload, topo, overlaps=False),
+        waits=f"in the optimizer step, every {local_steps} steps",
+    )
+    per_step = replace(
+        sync,
+        wire_bytes=sync.wire_bytes / local_steps,
+        uplink_bytes=sync.uplink_bytes / local_steps,
+        seconds=sync.seconds / local_steps,
+    )
+    return sync, per_step
+
+
 def state_bytes(
     settings: CompressionSettings, sizes: Sequence[int], world_size: int, bucket_bytes: float
 ) -> tuple[int, int]:
@@ -222,16 +244,17 @@ def communication_table(
     sizes: Sequence[int],
     topo: Topology,
     compute_s: float,
-    first: tuple[str, CommEstimate] | None = None,
+    first: Sequence[tuple[str, CommEstimate]] = (),
 ) -> str:
-    """Markdown table, one row per method (``first``: a named row above them, such as DeMo's
-    :func:`demo_estimate`): wire bytes per rank per step, uplink bytes, ratio against a dense
-    fp32 ring all-reduce at this world size, link time, whether it hides behind backward
-    (``compute_s * 2 / 3``) and the predicted step time. Two ratios against a dense fp32 ring
-    all-reduce: of the wire bytes on all links, and of the bytes over a node's uplink (``-`` on
-    one node), the one that matters on slow links between nodes."""
+    """Markdown table, one row per method (``first``: named rows above them, such as DeMo's
+    :func:`demo_estimate` or :func:`local_update_estimates`): wire bytes per rank per step,
+    uplink bytes, ratio against a dense fp32 ring all-reduce at this world size, link time,
+    whether it hides behind backward (``compute_s * 2 / 3``) and the predicted step time. Two
+    ratios against a dense fp32 ring all-reduce: of the wire bytes on all links, and of the
+    bytes over a node's uplink (``-`` on one node), the one that matters on slow links between
+    nodes."""
     dense = estimate(CompressionSettings("none"), sizes, topo)
-    rows = [first] if first else []
+    rows = list(first)
     rows += [(label(settings), estimate(settings, sizes, topo)) for settings in methods]
     lines = [
         "| method | wire MB/rank/step | uplink MB/step | ratio (wire) | ratio (uplink) | comm s "
@@ -261,6 +284,7 @@ __all__ = [
     "demo_estimate",
     "estimate",
     "label",
+    "local_update_estimates",
     "predicted_step_seconds",
     "reference_methods",
     "state_bytes",

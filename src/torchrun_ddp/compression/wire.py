@@ -67,6 +67,14 @@ def topk_break_even_world_size(topk: int, block_size: int, value_dtype: torch.dt
     return 8.0 * block_size / (topk * pair)
 
 
+def tile_counts(shape: tuple[int, ...], topk: int, tile: int) -> tuple[int, int, int]:
+    """``(n_tiles, k, tile_numel)`` of a parameter of ``shape`` cut into :func:`tile_shape`
+    tiles of sides at most ``tile``, ``k = min(topk, tile_numel)`` values sent per tile."""
+    tile_numel = math.prod(tile_shape(shape, tile))
+    n_tiles = max(1, math.prod(shape)) // tile_numel
+    return n_tiles, min(topk, tile_numel), tile_numel
+
+
 def demo_tile_payload(shape: tuple[int, ...], topk: int, tile: int) -> tuple[int, int, int]:
     """DeMo's message for one parameter of ``shape``: ``(n_tiles, k, index_bytes)``.
 
@@ -74,11 +82,8 @@ def demo_tile_payload(shape: tuple[int, ...], topk: int, tile: int) -> tuple[int
     tile are sent, each with its position in the tile as :func:`index_dtype` of the tile's
     element count (uint8 up to 256 elements, int16 up to 32768: a 64 x 64 tile needs int16).
     """
-    sides = tile_shape(shape, tile)
-    tile_numel = math.prod(sides)
-    n_tiles = max(1, math.prod(shape)) // tile_numel
-    width = index_dtype(tile_numel).itemsize
-    return n_tiles, min(topk, tile_numel), width
+    n_tiles, k, tile_numel = tile_counts(shape, topk, tile)
+    return n_tiles, k, index_dtype(tile_numel).itemsize
 
 
 def demo_payload_bytes(
@@ -98,3 +103,54 @@ def demo_payload_bytes(
         n_tiles, k, width = demo_tile_payload(tuple(shape), topk, tile)
         total += n_tiles * k * (value + width)
     return total
+
+
+def position_bits(chunk_numel: int) -> int:
+    """Bits of a position inside a chunk of ``chunk_numel`` values: ``ceil(log2(n))`` (12 for
+    4096, 0 for a chunk of one value)."""
+    return (chunk_numel - 1).bit_length()
+
+
+def packed_bytes(count: int, bits: int) -> int:
+    """Bytes of ``count`` values of ``bits`` bits each, packed back to back: ``ceil(c b / 8)``."""
+    return (count * bits + 7) // 8
+
+
+SCALE_BYTES = 4
+"""A SparseLoCo chunk's quantization scale travels as one fp32 value."""
+
+
+def sparseloco_chunk_payload(n_chunks: int, k: int, chunk_numel: int, quant_bits: int) -> int:
+    """Bytes of one parameter's SparseLoCo message: ``n_chunks * k`` positions packed at
+    :func:`position_bits`, then the values: ``quant_bits``-bit codes packed plus one fp32 scale
+    per chunk, or fp32 values when ``quant_bits`` is 0 (no quantization)."""
+    values = n_chunks * k
+    positions = packed_bytes(values, position_bits(chunk_numel))
+    if quant_bits == 0:
+        return positions + 4 * values
+    return positions + packed_bytes(values, quant_bits) + SCALE_BYTES * n_chunks
+
+
+def sparseloco_payload_bytes(
+    shapes: Iterable[tuple[int, ...]], topk: int, chunk: int, quant_bits: int
+) -> int:
+    """Bytes one rank hands to SparseLoCo's all-gather per sync (its own part).
+
+    Every parameter is cut into :func:`tile_shape` chunks (sides at most ``chunk``: 64 x 64 =
+    4096 values for matrices, up to 64 for vectors); each chunk sends ``k = min(topk, chunk
+    values)`` values (:func:`sparseloco_chunk_payload`). Example: a 4096 x 4096 matrix with k 64
+    of 4096 and 2-bit values sends 4096 chunks x (64 x 12 bits + 64 x 2 bits + 4 bytes) =
+    4096 x 116 bytes = 464 KiB, 1/141 of its fp32 size. Wire bytes at ``W`` ranks are
+    ``(W - 1)`` times this per sync.
+    """
+    total = 0
+    for shape in shapes:
+        n_chunks, k, chunk_numel = tile_counts(tuple(shape), topk, chunk)
+        total += sparseloco_chunk_payload(n_chunks, k, chunk_numel, quant_bits)
+    return total
+
+
+def diloco_payload_bytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes DiLoCo hands to its all-reduce per sync: the pseudo-gradient of ``numel`` trained
+    values in ``dtype`` (fp32 or bf16); wire bytes at ``W`` ranks: ``2 (W - 1) / W`` times this."""
+    return numel * dtype.itemsize
