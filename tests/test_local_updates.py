@@ -54,7 +54,7 @@ from torchrun_ddp.compression.local_updates import (
     unpack_bits,
 )
 from torchrun_ddp.compression.wire import diloco_payload_bytes
-from torchrun_ddp.config import parse_config
+from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import UserError
