@@ -46,9 +46,9 @@ from torchrun_ddp.compression import (
     sparseloco_payload_bytes,
     wire_bytes,
 )
-from torchrun_ddp.compression.local_updates import (
+from torchrun_ddp.compression.local_update_memory import memory_rows
+from torchrun_ddp.compression.sparseloco_codec import (
     dequantize,
-    memory_rows,
     pack_bits,
     quantize,
     unpack_bits,
