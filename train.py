@@ -13,7 +13,7 @@ import sys
 
 from dotenv import load_dotenv
 
-from torchrun_ddp.config import parse_config, to_toml
+from torchrun_ddp.config_io import parse_config, to_toml
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 

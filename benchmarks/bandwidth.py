@@ -71,7 +71,7 @@ from common import (
 from torchrun_ddp.architecture import meta_model, model_flops_per_token, parameter_sizes
 from torchrun_ddp.compression import CompressionSettings, compression_settings
 from torchrun_ddp.compression.plan import Topology, estimate, predicted_step_seconds
-from torchrun_ddp.config import parse_config
+from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.model import load_model_config
 
 DEFAULT_METHODS = "none,fp16,powersgd-4,dct-0.125,dct-0.25-bf16,dct-0.03,dct-topk-2"

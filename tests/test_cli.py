@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
-from torchrun_ddp.config import parse_config  # noqa: E402
+from torchrun_ddp.config_io import parse_config  # noqa: E402
 
 
 def _tiny_args(sample_data: Path, tmp_path: Path) -> list[str]:

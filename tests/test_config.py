@@ -7,14 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from torchrun_ddp.config import (
-    TrainConfig,
-    build_parser,
-    field_names,
-    global_batch_accumulation,
-    parse_config,
-    save_config,
-)
+from torchrun_ddp.config import TrainConfig, field_names
+from torchrun_ddp.config_checks import global_batch_accumulation
+from torchrun_ddp.config_io import build_parser, parse_config, save_config
 from torchrun_ddp.errors import UserError
 
 

@@ -11,7 +11,7 @@ import pytest
 from distributed_harness import tiny_args, torchrun
 from transformers import PreTrainedTokenizerBase
 
-from torchrun_ddp.config import parse_config
+from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.training_data import (
     GlobalPackedWindows,

@@ -38,7 +38,7 @@ from torchrun_ddp.compression import (
     wire_bytes,
 )
 from torchrun_ddp.compression.demo import tile_codec
-from torchrun_ddp.config import parse_config
+from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.memory_plan import PlanSettings, plan_memory
 from torchrun_ddp.optimizer import parameter_groups

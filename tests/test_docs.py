@@ -9,8 +9,8 @@ exists; every config file the docs name parses with the project's own loaders; a
 docs/configuration.md is what ``torchrun_ddp.config_docs`` generates from TrainConfig.
 
 Parsers are built in this process, never by spawning the scripts: train.py's comes from
-``config.build_parser``; a script's is captured at its first ``parse_args`` call, which is made to
-raise before anything else runs.
+``config_io.build_parser``; a script's is captured at its first ``parse_args`` call, which is made
+to raise before anything else runs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import pytest
 from torch.distributed.run import get_args_parser
 
 from torchrun_ddp import config_docs, plot
-from torchrun_ddp.config import build_parser, field_names, parse_config
+from torchrun_ddp.config import field_names
+from torchrun_ddp.config_io import build_parser, parse_config
 from torchrun_ddp.model import load_model_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from tiny_models import tiny_model_path
 from torch.profiler import ProfilerActivity, profile
 
 from torchrun_ddp.build import prepare_inputs
-from torchrun_ddp.config import parse_config
+from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.main import start, train
 

@@ -46,15 +46,15 @@ from torchrun_ddp.compression import (
     sparseloco_payload_bytes,
     wire_bytes,
 )
-from torchrun_ddp.compression.local_updates import (
+from torchrun_ddp.compression.local_update_memory import memory_rows
+from torchrun_ddp.compression.sparseloco_codec import (
     dequantize,
-    memory_rows,
     pack_bits,
     quantize,
     unpack_bits,
 )
 from torchrun_ddp.compression.wire import diloco_payload_bytes
-from torchrun_ddp.config import parse_config
+from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import UserError

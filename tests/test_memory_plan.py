@@ -34,7 +34,8 @@ from torchrun_ddp.compression.plan import (
     state_bytes,
 )
 from torchrun_ddp.compression.wire import demo_payload_bytes
-from torchrun_ddp.config import TrainConfig, parse_config
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import check_fits, communication_plan, plan_run, trained_shapes
 from torchrun_ddp.errors import UserError

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig
 
 from torchrun_ddp.build import prepare_inputs
-from torchrun_ddp.config import parse_config
+from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.main import Trainer, save_final_model, start, train
 

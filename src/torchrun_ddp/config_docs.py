@@ -19,7 +19,8 @@ from typing import get_type_hints
 
 import tomli_w
 
-from torchrun_ddp.config import TrainConfig, build_parser
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.config_io import build_parser
 
 REGENERATE = "uv run python -m torchrun_ddp.config_docs --out docs/configuration.md"
 """The command that rewrites the page; the staleness test prints it."""

@@ -29,7 +29,8 @@ from torchrun_ddp.compression import (
     local_update_settings,
     sparseloco_payload_bytes,
 )
-from torchrun_ddp.compression.local_updates import PSEUDO_GRADIENT_DTYPES, MemoryRow, memory_rows
+from torchrun_ddp.compression.local_update_memory import MemoryRow, memory_rows
+from torchrun_ddp.compression.local_updates import PSEUDO_GRADIENT_DTYPES
 from torchrun_ddp.compression.local_updates import describe as describe_local_updates
 from torchrun_ddp.compression.plan import (
     CommEstimate,
@@ -145,7 +146,7 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
 def local_update_memory(
     config: TrainConfig, model_config: PretrainedConfig, world_size: int
 ) -> list[MemoryRow]:
-    """What --optimizer diloco|sparseloco adds per rank (``local_updates.memory_rows``); empty
+    """What --optimizer diloco|sparseloco adds per rank (``local_update_memory.memory_rows``); empty
     for other optimizers. ``plan_run`` counts the persistent rows as compression state and the
     sync's temporaries as compression buffers: those peak at the end of backward, with the
     gradients and one layer's activations alive, which bounds the sync (in the optimizer step,

@@ -39,7 +39,8 @@ from torchrun_ddp.checkpoint import (
     record_run_id,
 )
 from torchrun_ddp.compression import LocalUpdates
-from torchrun_ddp.config import TrainConfig, save_config
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.config_io import save_config
 from torchrun_ddp.distributed import (
     DistEnv,
     StopRequest,

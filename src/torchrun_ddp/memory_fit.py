@@ -119,11 +119,13 @@ def _first_fit(
 def _nothing_fits(
     config: PretrainedConfig, parameters: int, base: PlanSettings, sizes: Sequence[int] | None
 ) -> str:
-    """Why no combination fits: the smallest plan and its replicated floor."""
+    """Why no combination fits: the smallest plan and its replicated floor. ZeRO-1 is part of
+    it only under AdamW (DeMo, DiLoCo and SparseLoCo refuse --zero1)."""
+    zero1 = base.optimizer == "adamw"
     smallest = replace(
         base,
         precision="bf16",
-        zero1=True,
+        zero1=zero1,
         activation_checkpointing=True,
         gradient_as_bucket_view=True,
         micro_batch=1,
@@ -132,8 +134,9 @@ def _nothing_fits(
     plan = plan_memory(config, parameters, smallest, sizes)
     floor = (plan.weights + plan.gradients) / GIB
     return (
-        f"no combination fits in {base.device_memory_gib:g} GiB: even bf16 + zero1 + activation "
-        f"checkpointing + gradient_as_bucket_view at micro-batch 1 on {MAX_WORLD_SIZE} GPUs "
+        f"no combination fits in {base.device_memory_gib:g} GiB: even bf16 + "
+        f"{'zero1 + ' if zero1 else ''}activation checkpointing + gradient_as_bucket_view at "
+        f"micro-batch 1 on {MAX_WORLD_SIZE} GPUs "
         f"needs {plan.total / GIB:.1f} GiB per rank, because DDP replicates the weights and "
         f"gradients ({floor:.1f} GiB) on every rank; shard them (FSDP / ZeRO-3) or use GPUs "
         "with more memory"

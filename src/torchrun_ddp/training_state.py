@@ -34,7 +34,7 @@ from torchrun_ddp.checkpoint import (
     seed_rng,
 )
 from torchrun_ddp.compression import DeMo, LocalMomentum, LocalUpdates, RankState, SyncedState
-from torchrun_ddp.config import global_batch_accumulation
+from torchrun_ddp.config_checks import global_batch_accumulation
 from torchrun_ddp.model import lora_settings
 from torchrun_ddp.training_data import DATA_ORDER
 

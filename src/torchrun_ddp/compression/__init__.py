@@ -5,7 +5,9 @@ tiles), ``hooks`` (one comm hook per method, :func:`register_compression`), ``st
 feedback, PowerSGD memories, ``state_dict``/``load_state_dict``), ``wire`` (bytes on the wire),
 ``demo`` (the DeMo optimizer, which compresses momentum and runs its own all-gather, and the comm
 hook that leaves DDP's gradients local for it), ``local_updates`` (DiLoCo and SparseLoCo: local
-AdamW steps, a sync every H steps), ``plan`` (costs before a run).
+AdamW steps, a sync every H steps) with ``sparseloco_codec`` (SparseLoCo's messages),
+``local_update_state`` (their checkpoint state) and ``local_update_memory`` (their memory rows),
+``plan`` (costs before a run).
 """
 
 from torchrun_ddp.compression.demo import (
@@ -17,12 +19,11 @@ from torchrun_ddp.compression.demo import (
     validate_demo,
 )
 from torchrun_ddp.compression.hooks import compression_hook, register_compression
+from torchrun_ddp.compression.local_update_state import RankState, SyncedState
 from torchrun_ddp.compression.local_updates import (
     LOCAL_UPDATE_METHODS,
     LocalUpdates,
     LocalUpdateSettings,
-    RankState,
-    SyncedState,
     build_local_updates,
     local_update_settings,
 )

@@ -35,49 +35,26 @@ Defaults (see ``config.py``): DiLoCo H 500, outer lr 0.7, Nesterov momentum 0.9 
 section 3); SparseLoCo H 15, k 64 of 4096-value chunks (1.56% density: the paper reports 1-3%),
 error-feedback decay 0.95, 2-bit values, outer lr 1 (SparseLoCo paper's main setting).
 
-Checkpoints (:class:`SyncedState`, :class:`RankState`). Between syncs the local parameters
-and the inner AdamW moments differ between ranks, and the moments differ at a sync too (each rank
-keeps its own). The project saves model and optimizer as *shared* state through DCP, which writes
-one rank's copy of a replicated tensor; that would resume every rank with one rank's moments and
-parameters. Two choices were possible: checkpoint only at sync boundaries, or save per-rank
-state. Boundaries alone do not suffice: the inner moments are per rank at a boundary too, and a
-SIGTERM or ``--checkpoint-every`` falls anywhere in a window (stopping only at a boundary would
-lose up to H - 1 steps, or force an early sync that changes the run). So the state is split:
-
-- shared (DCP, written once, loadable at any world size): the synced fp32 parameters, the outer
-  momentum (DiLoCo) and the position inside the window;
-- per rank (safetensors + JSON): the inner AdamW state, the error feedback (SparseLoCo), and the
-  local parameters only when the checkpoint falls inside a window (at a boundary they are the
-  synced ones rounded to the parameter dtype, so nothing is written).
-
-Resume at the same world size is bit-exact anywhere in a window. At another world size the synced
-parameters, the outer momentum and the position carry over exactly; each new rank ``r`` takes old
-rank ``r mod W_old``'s inner AdamW state; the local progress since the last sync is dropped (every
-rank restarts from the synced parameters) and the error feedback is reset, each with a warning.
+Checkpoint state (why shared and per rank, resume at another world size) is
+``local_update_state``; the codec of SparseLoCo's messages is ``sparseloco_codec``; the memory
+rows of --dry-run are ``local_update_memory``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from torchrun_ddp.compression.demo import Counter, TileCodec
+from torchrun_ddp.compression.demo import Counter
+from torchrun_ddp.compression.sparseloco_codec import chunk_codec, decode_mean, encode_chunks
 from torchrun_ddp.compression.state import CompressionState
-from torchrun_ddp.compression.transform import tile_shape
-from torchrun_ddp.compression.wire import (
-    SCALE_BYTES,
-    packed_bytes,
-    position_bits,
-    sparseloco_chunk_payload,
-    sparseloco_payload_bytes,
-)
+from torchrun_ddp.compression.wire import sparseloco_chunk_payload
 from torchrun_ddp.errors import UserError
 
 if TYPE_CHECKING:
@@ -184,48 +161,6 @@ def describe(settings: LocalUpdateSettings) -> str:
     )
 
 
-def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integers in ``[0, 2^bits)`` (any integer dtype, [n]) packed back to back, least
-    significant bit first: uint8 [ceil(n * bits / 8)] (:func:`.wire.packed_bytes`)."""
-    if bits == 0:
-        return values.new_empty(0, dtype=torch.uint8)
-    shifts = torch.arange(bits, device=values.device, dtype=torch.int32)
-    planes = (values.to(torch.int32).unsqueeze(1) >> shifts) & 1
-    flat = planes.reshape(-1).to(torch.uint8)
-    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 8)])
-    weights = 1 << torch.arange(8, device=values.device, dtype=torch.int32)
-    return (flat.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
-
-
-def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``count`` values, int64 [count]."""
-    if bits == 0:
-        return torch.zeros(count, dtype=torch.int64, device=data.device)
-    shifts = torch.arange(8, device=data.device, dtype=torch.int32)
-    planes = (data.to(torch.int32).unsqueeze(1) >> shifts) & 1
-    flat = planes.reshape(-1)[: count * bits].view(count, bits)
-    weights = 1 << torch.arange(bits, device=data.device, dtype=torch.int32)
-    return (flat * weights).sum(1).to(torch.int64)
-
-
-def quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``values`` (fp32 [n, k]): codes in ``[0, 2^bits)`` (int64 [n, k]) and the
-    scale (fp32 [n], the row's largest magnitude). Levels are evenly spaced over
-    ``[-scale, scale]`` (:func:`dequantize`); each value goes to the nearest."""
-    levels = 2**bits - 1
-    scale = values.abs().amax(dim=1)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = ((values / safe.unsqueeze(1) + 1.0) * (levels / 2)).round_().clamp_(0, levels)
-    return codes.to(torch.int64), scale
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """Values of ``codes`` (int [n, k]) under per-row ``scale`` (fp32 [n]): fp32 [n, k],
-    ``(2 q / (2^bits - 1) - 1) * scale``; 2 bits: ``{-1, -1/3, 1/3, 1} * scale``."""
-    levels = 2**bits - 1
-    return (codes.to(torch.float32) * (2.0 / levels) - 1.0) * scale.unsqueeze(1)
-
-
 class LocalUpdates(Optimizer):
     """DiLoCo or SparseLoCo (module docstring) around an inner optimizer, as an ``Optimizer``.
 
@@ -241,7 +176,7 @@ class LocalUpdates(Optimizer):
     are created at zero here so that a checkpoint's keys never depend on the step; none for
     SparseLoCo), ``error`` (SparseLoCo: fp32 error feedback per parameter, per rank) and
     ``position`` (inner steps since the last sync, 0 <= position < H). Checkpointed by
-    :class:`SyncedState` (shared) and :class:`RankState` (per rank).
+    :class:`.local_update_state.SyncedState` (shared) and ``RankState`` (per rank).
 
     Raises ``ValueError`` for bad settings and ``RuntimeError`` (from torch) in ``step`` without
     an initialised process group.
@@ -273,7 +208,9 @@ class LocalUpdates(Optimizer):
         sparse = settings.method == "sparseloco"
         self.error = [torch.zeros_like(copy) for copy in self.synced] if sparse else []
         self.codecs = (
-            [chunk_codec(tuple(p.shape), settings) for p in self.trained] if sparse else []
+            [chunk_codec(tuple(p.shape), settings.chunk, settings.topk) for p in self.trained]
+            if sparse
+            else []
         )
 
     @torch.no_grad()
@@ -338,7 +275,9 @@ class LocalUpdates(Optimizer):
         for index, message in enumerate(messages):
             part = rows[:, offset : offset + message.numel()]
             offset += message.numel()
-            self.synced[index].grad = self._decode(index, part)
+            self.synced[index].grad = decode_mean(
+                part, self.codecs[index], self.settings.quant_bits
+            )
 
     def _finish_sync(self) -> None:
         """Outer step on ``synced``, then every rank restarts from it."""
@@ -355,56 +294,9 @@ class LocalUpdates(Optimizer):
         settings, codec = self.settings, self.codecs[index]
         error = self.error[index]
         error.mul_(settings.beta).add_(self.synced[index] - self.trained[index].float())
-        chunks = codec.split(error)
-        positions = chunks.abs().topk(codec.k, dim=1, sorted=False).indices
-        values = chunks.gather(1, positions)
-        parts = [pack_bits(positions.reshape(-1), position_bits(codec.tile_numel))]
-        if settings.quant_bits:
-            codes, scale = quantize(values, settings.quant_bits)
-            values = dequantize(codes, scale, settings.quant_bits)
-            parts += [pack_bits(codes.reshape(-1), settings.quant_bits), _bytes(scale)]
-        else:
-            parts.append(_bytes(values))
-        sent = torch.zeros_like(chunks).scatter_(1, positions, values)
+        message, sent = encode_chunks(codec.split(error), codec, settings.quant_bits)
         error.sub_(codec.join(sent))
-        return torch.cat(parts)
-
-    def _decode(self, index: int, rows: torch.Tensor) -> torch.Tensor:
-        """All ranks' messages of one parameter ([world_size, message bytes] uint8) -> the mean
-        of the values they sent, in the parameter's shape (fp32); ranks summed in rank order."""
-        codec, bits = self.codecs[index], self.settings.quant_bits
-        count = codec.n_tiles * codec.k
-        split = packed_bytes(count, position_bits(codec.tile_numel))
-        total = torch.zeros(codec.n_tiles, codec.tile_numel, device=rows.device)
-        for rank in range(rows.shape[0]):  # rank order: the same sums on every rank
-            row = rows[rank]
-            positions = unpack_bits(row[:split], position_bits(codec.tile_numel), count)
-            values = _values(row[split:], codec, bits)
-            total.scatter_add_(1, positions.view(codec.n_tiles, codec.k), values)
-        return codec.join(total / rows.shape[0])
-
-
-def _bytes(values: torch.Tensor) -> torch.Tensor:
-    """An fp32 tensor's raw bytes, uint8 [4 numel]."""
-    return values.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _values(data: torch.Tensor, codec: TileCodec, bits: int) -> torch.Tensor:
-    """The values part of one rank's message -> fp32 [n_chunks, k] (dequantized)."""
-    count = codec.n_tiles * codec.k
-    if bits == 0:
-        return data.clone().view(torch.float32).view(codec.n_tiles, codec.k)
-    split = packed_bytes(count, bits)
-    codes = unpack_bits(data[:split], bits, count).view(codec.n_tiles, codec.k)
-    scale = data[split : split + SCALE_BYTES * codec.n_tiles].clone().view(torch.float32)
-    return dequantize(codes, scale, bits)
-
-
-def chunk_codec(shape: tuple[int, ...], settings: LocalUpdateSettings) -> TileCodec:
-    """SparseLoCo's chunks of a parameter of ``shape``: DeMo's tiles (sides at most
-    ``settings.chunk``), used without the DCT; ``k = min(topk, chunk values)``."""
-    sides = tile_shape(shape, settings.chunk)
-    return TileCodec(shape, sides, min(settings.topk, math.prod(sides)))
+        return message
 
 
 def build_local_updates(
@@ -413,163 +305,3 @@ def build_local_updates(
     """:class:`LocalUpdates` around ``inner``, syncing in ``state``'s process group and counting
     its bytes there (``state``: :func:`.demo.register_local_gradients`'s)."""
     return LocalUpdates(inner, settings, state.process_group, counter=state.count)
-
-
-SPARSELOCO_WORK_COPIES = 5
-"""fp32 copies of one parameter alive at once in SparseLoCo's compression: the pseudo-gradient,
-its chunks, their magnitudes for top-k, the sent values scattered back and their join."""
-
-
-@dataclass(frozen=True)
-class MemoryRow:
-    """One row of the memory a local-update optimizer adds per rank, in bytes; ``persistent``
-    rows live through the run, the others only during a sync (in the optimizer step)."""
-
-    name: str
-    nbytes: int
-    persistent: bool
-
-
-def memory_rows(
-    settings: LocalUpdateSettings, shapes: list[tuple[int, ...]], world_size: int
-) -> list[MemoryRow]:
-    """What DiLoCo or SparseLoCo holds beyond the inner AdamW, per rank, for trained parameters
-    of ``shapes`` (``N`` values): the synced fp32 copy (4 N); DiLoCo's outer momentum (4 N, when
-    > 0) or SparseLoCo's error feedback (4 N); and at a sync, the fp32 pseudo-gradient handed
-    to the outer SGD (4 N) plus DiLoCo's bf16 wire copy (2 N) or SparseLoCo's own and gathered
-    messages ((1 + W) x payload) and ``SPARSELOCO_WORK_COPIES`` fp32 copies of the largest
-    parameter (it compresses one parameter at a time)."""
-    sizes = [math.prod(shape) for shape in shapes]
-    numel = sum(sizes)
-    rows = [MemoryRow("synced parameters (fp32 copy, the same on every rank)", 4 * numel, True)]
-    if settings.method == "diloco":
-        if settings.outer_momentum:
-            rows.append(MemoryRow("outer Nesterov momentum (fp32)", 4 * numel, True))
-        bf16 = settings.pseudo_gradient_dtype == "bfloat16"
-        name = "sync: pseudo-gradient (fp32" + (", and its bf16 wire copy)" if bf16 else ")")
-        rows.append(MemoryRow(name, 4 * numel + (2 * numel if bf16 else 0), False))
-        return rows
-    rows.append(MemoryRow("error feedback (fp32, per rank)", 4 * numel, True))
-    payload = sparseloco_payload_bytes(shapes, settings.topk, settings.chunk, settings.quant_bits)
-    work = SPARSELOCO_WORK_COPIES * 4 * max(sizes, default=0)
-    temporary = 4 * numel + (1 + world_size) * payload + work
-    rows.append(MemoryRow("sync: mean pseudo-gradient, messages, chunk work", temporary, False))
-    return rows
-
-
-def _indexed(tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {str(index): tensor for index, tensor in enumerate(tensors)}
-
-
-class SyncedState:
-    """A :class:`LocalUpdates`' replicated state as shared checkpoint state (the same on every
-    rank, so DCP writes each tensor once and loads it at any world size).
-
-    ``{"position": int, "synced": {"<i>": fp32 tensor}, "momentum": {"<i>": fp32 tensor}}``, keyed
-    by the trained parameter's position (``Optimizer.state_dict``'s numbering); ``momentum`` is
-    empty without outer momentum. ``state_dict`` returns the live tensors, so DCP loads them in
-    place; ``load_state_dict`` copies where they are other tensors.
-    """
-
-    def __init__(self, optimizer: LocalUpdates) -> None:
-        self.optimizer = optimizer
-
-    def _momentum(self) -> list[torch.Tensor]:
-        state = self.optimizer.outer.state
-        return [state[copy]["momentum_buffer"] for copy in self.optimizer.synced if copy in state]
-
-    def state_dict(self) -> dict[str, object]:
-        """The window position, the synced parameters and the outer momentum."""
-        return {
-            "position": self.optimizer.position,
-            "synced": _indexed(self.optimizer.synced),
-            "momentum": _indexed(self._momentum()),
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
-        """Restore what ``state_dict`` returned (any rank's, any world size), bit for bit."""
-        self.optimizer.position = int(cast(int, state_dict["position"]))
-        _copy_into(self.optimizer.synced, state_dict["synced"])
-        _copy_into(self._momentum(), state_dict["momentum"])
-
-
-def _copy_into(targets: list[torch.Tensor], saved: object) -> None:
-    """Copy ``saved`` (``{"<i>": tensor}``) into ``targets`` by position; raises ValueError when
-    the counts differ (another model or outer momentum setting)."""
-    pieces = cast(Mapping[str, torch.Tensor], saved)
-    if len(pieces) != len(targets):
-        raise ValueError(f"saved state has {len(pieces)} tensors, this run {len(targets)}")
-    for index, target in enumerate(targets):
-        piece = pieces[str(index)]
-        if piece is not target:
-            target.copy_(piece)
-
-
-class RankState:
-    """A :class:`LocalUpdates`' per-rank state as per-rank checkpoint state (JSON + tensors,
-    nothing pickled): the inner optimizer's ``state_dict`` (parameter positions as string keys),
-    the error feedback (SparseLoCo) and, inside a window, the local parameters.
-
-    Load it after :class:`SyncedState` (``load_checkpoint`` restores shared state first): the
-    local parameters are the saved ones inside a window, else the synced ones.
-    """
-
-    def __init__(self, optimizer: LocalUpdates) -> None:
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, object]:
-        """``{"inner": {"state", "param_groups"}, "error_feedback": {...}, "local": {...}}``."""
-        optimizer = self.optimizer
-        inner = optimizer.inner.state_dict()
-        trained = [p.detach() for p in optimizer.trained]
-        return {
-            "inner": {
-                "state": {str(index): values for index, values in inner["state"].items()},
-                "param_groups": inner["param_groups"],
-            },
-            "error_feedback": _indexed(optimizer.error),
-            "local": _indexed(trained) if optimizer.position else {},
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
-        """Restore this rank's own state, bit for bit."""
-        self.load_inner(state_dict)
-        _copy_into(self.optimizer.error, state_dict["error_feedback"])
-        local = cast(Mapping[str, torch.Tensor], state_dict["local"])
-        _copy_into(self.optimizer.trained, local or _indexed(self.optimizer.synced))
-
-    @torch.no_grad()
-    def load_resharded(self, state_dict: Mapping[str, object]) -> list[str]:
-        """Continue at another world size from one old rank's state: its inner optimizer state;
-        the local parameters restart from the synced ones and the error feedback from zero.
-        Returns what was dropped, one line each, for the caller to log as warnings."""
-        optimizer = self.optimizer
-        self.load_inner(state_dict)
-        dropped = []
-        if optimizer.position:
-            dropped.append(
-                f"the {optimizer.position} local steps since the last sync (every rank restarts "
-                "from the synced parameters)"
-            )
-        if optimizer.error:
-            dropped.append("the SparseLoCo error feedback (reset to zero)")
-            for error in optimizer.error:
-                error.zero_()
-        _copy_into(optimizer.trained, _indexed(optimizer.synced))
-        return dropped
-
-    def load_inner(self, state_dict: Mapping[str, object]) -> None:
-        """Load the inner optimizer's state; the wrapper then shares the new parameter groups
-        (``Optimizer.load_state_dict`` replaces the group dicts)."""
-        optimizer = self.optimizer
-        inner = cast(Mapping[str, object], state_dict["inner"])
-        states = cast(Mapping[str, object], inner["state"])
-        optimizer.inner.load_state_dict(
-            {
-                "state": {int(index): values for index, values in states.items()},
-                "param_groups": inner["param_groups"],
-            }
-        )
-        optimizer.param_groups = optimizer.inner.param_groups

@@ -1,0 +1,57 @@
+"""Per-rank memory that DiLoCo and SparseLoCo add beyond the inner AdamW, for --dry-run plans.
+
+Rows in bytes, from the parameter shapes and the settings of ``local_updates``; ``dry_run`` prints
+them next to the model's memory plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torchrun_ddp.compression.wire import sparseloco_payload_bytes
+
+if TYPE_CHECKING:
+    from torchrun_ddp.compression.local_updates import LocalUpdateSettings
+
+SPARSELOCO_WORK_COPIES = 5
+"""fp32 copies of one parameter alive at once in SparseLoCo's compression: the pseudo-gradient,
+its chunks, their magnitudes for top-k, the sent values scattered back and their join."""
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """One row of the memory a local-update optimizer adds per rank, in bytes; ``persistent``
+    rows live through the run, the others only during a sync (in the optimizer step)."""
+
+    name: str
+    nbytes: int
+    persistent: bool
+
+
+def memory_rows(
+    settings: LocalUpdateSettings, shapes: list[tuple[int, ...]], world_size: int
+) -> list[MemoryRow]:
+    """What DiLoCo or SparseLoCo holds beyond the inner AdamW, per rank, for trained parameters
+    of ``shapes`` (``N`` values): the synced fp32 copy (4 N); DiLoCo's outer momentum (4 N, when
+    > 0) or SparseLoCo's error feedback (4 N); and at a sync, the fp32 pseudo-gradient handed
+    to the outer SGD (4 N) plus DiLoCo's bf16 wire copy (2 N) or SparseLoCo's own and gathered
+    messages ((1 + W) x payload) and ``SPARSELOCO_WORK_COPIES`` fp32 copies of the largest
+    parameter (it compresses one parameter at a time)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    numel = sum(sizes)
+    rows = [MemoryRow("synced parameters (fp32 copy, the same on every rank)", 4 * numel, True)]
+    if settings.method == "diloco":
+        if settings.outer_momentum:
+            rows.append(MemoryRow("outer Nesterov momentum (fp32)", 4 * numel, True))
+        bf16 = settings.pseudo_gradient_dtype == "bfloat16"
+        name = "sync: pseudo-gradient (fp32" + (", and its bf16 wire copy)" if bf16 else ")")
+        rows.append(MemoryRow(name, 4 * numel + (2 * numel if bf16 else 0), False))
+        return rows
+    rows.append(MemoryRow("error feedback (fp32, per rank)", 4 * numel, True))
+    payload = sparseloco_payload_bytes(shapes, settings.topk, settings.chunk, settings.quant_bits)
+    work = SPARSELOCO_WORK_COPIES * 4 * max(sizes, default=0)
+    temporary = 4 * numel + (1 + world_size) * payload + work
+    rows.append(MemoryRow("sync: mean pseudo-gradient, messages, chunk work", temporary, False))
+    return rows

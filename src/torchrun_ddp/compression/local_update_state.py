@@ -1,0 +1,150 @@
+"""DiLoCo and SparseLoCo checkpoint state: what is shared by all ranks, what is each rank's.
+
+:class:`SyncedState` and :class:`RankState` wrap a :class:`.local_updates.LocalUpdates`. Between
+syncs the local parameters and the inner AdamW moments differ between ranks, and the moments differ
+at a sync too (each rank keeps its own). The project saves model and optimizer as *shared* state
+through DCP, which writes one rank's copy of a replicated tensor; that would resume every rank with
+one rank's moments and parameters. Two choices were possible: checkpoint only at sync boundaries, or
+save per-rank state. Boundaries alone do not suffice: the inner moments are per rank at a boundary
+too, and a SIGTERM or ``--checkpoint-every`` falls anywhere in a window (stopping only at a boundary
+would lose up to H - 1 steps, or force an early sync that changes the run). So the state is split:
+
+- shared (DCP, written once, loadable at any world size): the synced fp32 parameters, the outer
+  momentum (DiLoCo) and the position inside the window;
+- per rank (safetensors + JSON): the inner AdamW state, the error feedback (SparseLoCo), and the
+  local parameters only when the checkpoint falls inside a window (at a boundary they are the
+  synced ones rounded to the parameter dtype, so nothing is written).
+
+Resume at the same world size is bit-exact anywhere in a window. At another world size the synced
+parameters, the outer momentum and the position carry over exactly; each new rank ``r`` takes old
+rank ``r mod W_old``'s inner AdamW state; the local progress since the last sync is dropped (every
+rank restarts from the synced parameters) and the error feedback is reset, each with a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+if TYPE_CHECKING:
+    from torchrun_ddp.compression.local_updates import LocalUpdates
+
+
+def _indexed(tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {str(index): tensor for index, tensor in enumerate(tensors)}
+
+
+class SyncedState:
+    """A :class:`LocalUpdates`' replicated state as shared checkpoint state (the same on every
+    rank, so DCP writes each tensor once and loads it at any world size).
+
+    ``{"position": int, "synced": {"<i>": fp32 tensor}, "momentum": {"<i>": fp32 tensor}}``, keyed
+    by the trained parameter's position (``Optimizer.state_dict``'s numbering); ``momentum`` is
+    empty without outer momentum. ``state_dict`` returns the live tensors, so DCP loads them in
+    place; ``load_state_dict`` copies where they are other tensors.
+    """
+
+    def __init__(self, optimizer: LocalUpdates) -> None:
+        self.optimizer = optimizer
+
+    def _momentum(self) -> list[torch.Tensor]:
+        state = self.optimizer.outer.state
+        return [state[copy]["momentum_buffer"] for copy in self.optimizer.synced if copy in state]
+
+    def state_dict(self) -> dict[str, object]:
+        """The window position, the synced parameters and the outer momentum."""
+        return {
+            "position": self.optimizer.position,
+            "synced": _indexed(self.optimizer.synced),
+            "momentum": _indexed(self._momentum()),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
+        """Restore what ``state_dict`` returned (any rank's, any world size), bit for bit."""
+        self.optimizer.position = int(cast(int, state_dict["position"]))
+        _copy_into(self.optimizer.synced, state_dict["synced"])
+        _copy_into(self._momentum(), state_dict["momentum"])
+
+
+def _copy_into(targets: list[torch.Tensor], saved: object) -> None:
+    """Copy ``saved`` (``{"<i>": tensor}``) into ``targets`` by position; raises ValueError when
+    the counts differ (another model or outer momentum setting)."""
+    pieces = cast(Mapping[str, torch.Tensor], saved)
+    if len(pieces) != len(targets):
+        raise ValueError(f"saved state has {len(pieces)} tensors, this run {len(targets)}")
+    for index, target in enumerate(targets):
+        piece = pieces[str(index)]
+        if piece is not target:
+            target.copy_(piece)
+
+
+class RankState:
+    """A :class:`LocalUpdates`' per-rank state as per-rank checkpoint state (JSON + tensors,
+    nothing pickled): the inner optimizer's ``state_dict`` (parameter positions as string keys),
+    the error feedback (SparseLoCo) and, inside a window, the local parameters.
+
+    Load it after :class:`SyncedState` (``load_checkpoint`` restores shared state first): the
+    local parameters are the saved ones inside a window, else the synced ones.
+    """
+
+    def __init__(self, optimizer: LocalUpdates) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, object]:
+        """``{"inner": {"state", "param_groups"}, "error_feedback": {...}, "local": {...}}``."""
+        optimizer = self.optimizer
+        inner = optimizer.inner.state_dict()
+        trained = [p.detach() for p in optimizer.trained]
+        return {
+            "inner": {
+                "state": {str(index): values for index, values in inner["state"].items()},
+                "param_groups": inner["param_groups"],
+            },
+            "error_feedback": _indexed(optimizer.error),
+            "local": _indexed(trained) if optimizer.position else {},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
+        """Restore this rank's own state, bit for bit."""
+        self.load_inner(state_dict)
+        _copy_into(self.optimizer.error, state_dict["error_feedback"])
+        local = cast(Mapping[str, torch.Tensor], state_dict["local"])
+        _copy_into(self.optimizer.trained, local or _indexed(self.optimizer.synced))
+
+    @torch.no_grad()
+    def load_resharded(self, state_dict: Mapping[str, object]) -> list[str]:
+        """Continue at another world size from one old rank's state: its inner optimizer state;
+        the local parameters restart from the synced ones and the error feedback from zero.
+        Returns what was dropped, one line each, for the caller to log as warnings."""
+        optimizer = self.optimizer
+        self.load_inner(state_dict)
+        dropped = []
+        if optimizer.position:
+            dropped.append(
+                f"the {optimizer.position} local steps since the last sync (every rank restarts "
+                "from the synced parameters)"
+            )
+        if optimizer.error:
+            dropped.append("the SparseLoCo error feedback (reset to zero)")
+            for error in optimizer.error:
+                error.zero_()
+        _copy_into(optimizer.trained, _indexed(optimizer.synced))
+        return dropped
+
+    def load_inner(self, state_dict: Mapping[str, object]) -> None:
+        """Load the inner optimizer's state; the wrapper then shares the new parameter groups
+        (``Optimizer.load_state_dict`` replaces the group dicts)."""
+        optimizer = self.optimizer
+        inner = cast(Mapping[str, object], state_dict["inner"])
+        states = cast(Mapping[str, object], inner["state"])
+        optimizer.inner.load_state_dict(
+            {
+                "state": {int(index): values for index, values in states.items()},
+                "param_groups": inner["param_groups"],
+            }
+        )
+        optimizer.param_groups = optimizer.inner.param_groups

@@ -1,0 +1,191 @@
+"""Reading and writing a TrainConfig: command-line flags, TOML config files, saved config.
+
+Parsing uses transformers' ``HfArgumentParser`` (flags accept ``--seq-length`` and
+``--seq_length``); a TOML file given with ``--config FILE`` supplies defaults that flags then
+override. Config-file values are checked like flags (types, choices, unknown keys) by a strict
+pydantic model built from the dataclass fields (``file_schema``), input paths in a file are
+relative to the file, and ``config_checks.validate`` checks ranges of the merged config; all raise
+``UserError`` before any process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import tomllib
+from functools import cache
+from pathlib import Path
+from typing import Literal, get_type_hints
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from transformers import HfArgumentParser
+
+from torchrun_ddp.config import TrainConfig, field_names, flag_name
+from torchrun_ddp.config_checks import validate
+from torchrun_ddp.errors import UserError
+
+
+def load_toml(path: str) -> dict[str, object]:
+    """Read a TOML config file into a flat dict; raises UserError on a missing or bad file."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(
+            f"config file {path} does not exist; pass an existing TOML file to --config"
+        )
+    try:
+        values = tomllib.loads(file.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from exc
+    unknown = [key for key in values if key.replace("-", "_") not in field_names()]
+    if unknown:
+        raise UserError(f"config file {path}: {_unknown_message(unknown[0])}")
+    flat = {key.replace("-", "_"): value for key, value in values.items()}
+    return resolve_input_paths(check_file_values(flat, path), file.resolve().parent)
+
+
+@cache
+def file_schema() -> type[BaseModel]:
+    """A strict pydantic model of the config-file values, built from TrainConfig's fields.
+
+    Each field keeps its annotated type; a field with ``choices`` becomes ``Literal[choices]``.
+    Strict mode refuses what a flag's type would refuse: 4.5 or true for an int, a string for a
+    list, an int for a string (an int is accepted for a float, as TOML writes ``1`` for 1.0).
+    Unknown keys are refused (``extra="forbid"``).
+    """
+    hints = get_type_hints(TrainConfig)
+    fields: dict[str, tuple[object, object]] = {}
+    for item in dataclasses.fields(TrainConfig):
+        choices = item.metadata.get("choices")
+        kind = Literal[tuple(choices)] if choices else hints[item.name]
+        fields[item.name] = (kind, None)
+    strict = ConfigDict(strict=True, extra="forbid")
+    return create_model("TrainConfigFile", __config__=strict, **fields)
+
+
+def check_file_values(values: dict[str, object], path: str) -> dict[str, object]:
+    """The config-file ``values`` (underscored keys, as TOML parsed them) after the checks a flag
+    gets, ints for float fields made floats; raises UserError naming the first bad key."""
+    try:
+        return file_schema().model_validate(values).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(part) for part in error["loc"])
+        raise UserError(
+            f"config file {path}: {key} = {error['input']!r} is invalid ({error['msg']}); "
+            f"fix it in the file (see --help for --{flag_name(str(error['loc'][0]))})"
+        ) from exc
+
+
+# Inputs a config file may name by a path relative to itself. Outputs (output_dir,
+# checkpoint_dir) stay relative to the working directory, as in torchtitan and HF Trainer.
+_PATH_OR_HUB_ID = ("model", "tokenizer")
+_PATHS = ("resume_from",)
+_PATH_LISTS = ("data_files", "eval_files")
+
+
+def _is_path(value: str) -> bool:
+    """Whether ``value`` cannot be a hub id (``namespace/name``): it starts with ``.``, ``/`` or
+    ``~``, ends in ``.json``, or has more than one ``/``."""
+    return value.startswith((".", "/", "~")) or value.endswith(".json") or value.count("/") > 1
+
+
+def resolve_input_paths(values: dict[str, object], base: Path) -> dict[str, object]:
+    """Make the input paths of a config file absolute, relative to ``base`` (its folder).
+
+    ``model`` and ``tokenizer`` may be hub ids: they are resolved when ``base / value`` exists
+    or the value cannot be a hub id (``_is_path``), so a missing file is reported where it was
+    looked for. ``resume_from`` and each glob of ``data_files``/``eval_files`` are always joined to
+    ``base`` unless absolute or empty. Other values pass through unchanged.
+    """
+    resolved = dict(values)
+    for name in _PATH_OR_HUB_ID:
+        value = resolved.get(name)
+        if isinstance(value, str) and value and ((base / value).exists() or _is_path(value)):
+            resolved[name] = str((base / value).resolve())
+    for name in _PATHS:
+        value = resolved.get(name)
+        if isinstance(value, str) and value:
+            resolved[name] = _joined(base, value)
+    for name in _PATH_LISTS:
+        value = resolved.get(name)
+        if isinstance(value, list):
+            resolved[name] = [
+                _joined(base, item) if isinstance(item, str) else item for item in value
+            ]
+    return resolved
+
+
+def _joined(base: Path, value: str) -> str:
+    """``value`` if absolute, else ``base / value`` normalised (globs kept as written)."""
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else Path(os.path.normpath(base / path)))
+
+
+def _unknown_message(name: str) -> str:
+    """'unknown option X; did you mean Y?' with the nearest valid field name."""
+    key = name.lstrip("-").split("=")[0].replace("-", "_")
+    close = difflib.get_close_matches(key, [*field_names(), "config"], n=1)
+    hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else "; see --help"
+    return f"unknown option {name}{hint}"
+
+
+def build_parser() -> HfArgumentParser:
+    """The command-line parser: ``--config FILE`` plus one flag per TrainConfig field."""
+    parser = HfArgumentParser(
+        TrainConfig,
+        description="Train a causal LM (LLaMA and any AutoModelForCausalLM) with PyTorch DDP "
+        "under torchrun.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+        exit_on_error=False,
+    )
+    parser.add_argument("--config", default=None, help="TOML file of defaults; flags override it.")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="Print the resolved config as TOML (readable by --config) and exit.",
+    )
+    for action in parser._actions:  # show --seq-length before its alias --seq_length
+        action.option_strings.sort(key=lambda option: "_" in option)
+    return parser
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    """Parse ``argv`` (without the program name) into a validated TrainConfig.
+
+    Raises UserError for a bad config file, an unknown flag or an invalid value. ``--help``
+    prints the options and exits 0 (argparse's SystemExit).
+    """
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_toml(known.config))
+    try:
+        namespace, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise UserError(f"{exc}; see --help") from exc
+    if unknown:
+        raise UserError(_unknown_message(unknown[0]))
+    values = {name: getattr(namespace, name) for name in field_names()}
+    # Flags name paths relative to the working directory; save them absolute so that the saved
+    # config means the same from anywhere (config-file paths were resolved by load_toml).
+    config = TrainConfig(**resolve_input_paths(values, Path.cwd()))
+    validate(config)
+    return config
+
+
+def to_toml(config: TrainConfig) -> str:
+    """The config as TOML text that ``--config`` reads back to an equal config (no secrets)."""
+    return tomli_w.dumps(dataclasses.asdict(config))
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    """Write the resolved config to ``path`` as TOML (the config holds no secrets: HF_TOKEN
+    is only ever read from the environment)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_toml(config))
