@@ -134,14 +134,18 @@ def check_paths(config: TrainConfig) -> None:
 
 def check_writable_folder(folder: Path, flag: str) -> None:
     """Raise UserError unless ``folder`` is, or can be created as, a folder this process can
-    write: its nearest existing ancestor must be a folder in which a probe folder can be made
-    (and is removed at once)."""
+    write. An existing folder is checked with ``os.access`` (nothing in it changes: a refused
+    start touches no saved run); for a new one, a probe folder is made and removed in its
+    nearest existing ancestor (``os.access`` alone passes root on /proc, say)."""
     existing = next(path for path in (folder, *folder.absolute().parents) if path.exists())
     if not existing.is_dir():
         what = "is a file" if existing == folder else f"is inside the file {existing}"
         raise UserError(f"{flag} {folder} {what}, not a folder; pass a folder path")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+        if existing == folder and not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+        if existing != folder:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
     except OSError as exc:
         raise UserError(
             f"{flag} {folder} cannot be written ({existing}: {exc.strerror}); "
