@@ -11,6 +11,7 @@ import pytest
 from distributed_harness import tiny_args, torchrun
 from transformers import PreTrainedTokenizerBase
 
+from torchrun_ddp.build import check_data_error, record_data_error
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.training_data import (
@@ -111,6 +112,20 @@ def test_start_up_refuses_more_damaged_records_than_allowed(tmp_path: Path) -> N
     assert parse_config(["--max-bad-records", "0"]).max_bad_records == 0
     with pytest.raises(UserError, match="--max-bad-records must be >= 0"):
         parse_config(["--max-bad-records", "-1"])
+
+
+def test_a_kept_data_error_refuses_the_start_until_the_limit_is_raised(tmp_path: Path) -> None:
+    """data_error.json (written when a run stopped on damaged data) refuses a start in that
+    output folder with the kept line, unless --max-bad-records is now higher; an unreadable one
+    is one line too."""
+    config = parse_config(["--output-dir", str(tmp_path), "--max-bad-records", "2"])
+    record_data_error(config, DataError("3 damaged training records, more than 2"))
+    with pytest.raises(DataError, match=r"^3 damaged training records, more than 2 \(kept in "):
+        check_data_error(config)
+    check_data_error(parse_config(["--output-dir", str(tmp_path), "--max-bad-records", "3"]))
+    (tmp_path / "data_error.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"cannot read .*data_error\.json"):
+        check_data_error(config)
 
 
 def _large_shard(path: Path, sample_data: Path) -> str:

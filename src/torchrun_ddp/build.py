@@ -170,8 +170,12 @@ def check_data_error(config: TrainConfig) -> None:
     file = Path(config.output_dir) / DATA_ERROR_FILE
     if not file.is_file():
         return
-    record = json.loads(file.read_text())
-    if config.max_bad_records > int(record["max_bad_records"]):
+    try:
+        record = json.loads(file.read_text())
+        allowed = int(record["max_bad_records"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read {file} ({exc}); delete it once the data is repaired") from exc
+    if config.max_bad_records > allowed:
         return
     raise DataError(f"{record['error']} (kept in {file}: delete it once the data is repaired)")
 

@@ -173,7 +173,7 @@ def _answer_until_confirmed(
     deadline = time.monotonic() + timeout.total_seconds()
     answered: dict[int, bytes] = {}
     pending = set(range(1, world_size))
-    while pending:
+    while True:
         for rank in sorted(pending):
             if store.check([f"{ATTEMPT_KEYS}/{token}/joined/{rank}"]):
                 pending.discard(rank)
@@ -182,12 +182,14 @@ def _answer_until_confirmed(
             if store.check([ask]) and answered.get(rank) != (nonce := store.get(ask)):
                 store.set(f"{ATTEMPT_KEYS}/answer/{nonce.decode()}", token)
                 answered[rank] = nonce
-        if pending and time.monotonic() > deadline:
+        if not pending:
+            return
+        if time.monotonic() > deadline:
             raise TimeoutError(
                 f"ranks {sorted(pending)} did not join this attempt within "
                 f"{timeout.total_seconds():.0f} s (--timeout-s)"
             )
-        time.sleep(0.005 if pending else 0)
+        time.sleep(0.005)
 
 
 @dataclass(frozen=True)
