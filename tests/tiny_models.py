@@ -48,15 +48,21 @@ def tiny_model_path(name: str) -> Path:
     return REPO / "configs" / "tiny-models" / name / "config.json"
 
 
-def train_in_group(rank: int, world_size: int, argv: list[str], export: bool = True) -> Trainer:
+def train_in_group(
+    rank: int, world_size: int, argv: list[str], export: bool = True, per_node: int = 0
+) -> Trainer:
     """Run one training job on an initialised process group, as ``main.run`` does after
     ``init_distributed``: the real inputs, DDP model, optimizer, data, loop, checkpoints and
     final outputs. Returns the trainer (the loop's state after the last step).
 
     With ``export=False`` the final model is not saved (under LoRA saving merges the adapters
-    into the model, so call ``save_final_model`` after inspecting the trained adapters)."""
+    into the model, so call ``save_final_model`` after inspecting the trained adapters).
+    ``per_node``: ranks per simulated node (0: all on one node)."""
     config = parse_config(argv)
-    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    per_node = per_node or world_size
+    env = DistEnv(
+        rank=rank, world_size=world_size, local_rank=rank % per_node, local_world_size=per_node
+    )
     inputs = prepare_inputs(config, env)
     trainer = start(config, env, torch.device("cpu"), inputs)
     if train(trainer) and export:

@@ -306,7 +306,7 @@ def build_ddp_model(
     )
     node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
     if config.optimizer != "adamw":  # DeMo, DiLoCo, SparseLoCo exchange themselves: DDP stays local
-        compression = register_local_gradients(ddp_model)
+        compression = register_local_gradients(ddp_model, node_groups=node_groups)
     else:
         compression = register_compression(
             ddp_model, compression_settings(config), node_groups=node_groups
@@ -340,7 +340,7 @@ def build_trainer_optimizer(
         config.demo_beta, config.demo_topk, config.demo_tile_size, config.demo_value_dtype
     )
     groups = parameter_groups(model, config.weight_decay)
-    return build_demo(groups, config.learning_rate, demo, compression)
+    return build_demo(groups, config.learning_rate, demo, compression, config.overlap_exchange)
 
 
 def flops_per_token(

@@ -139,6 +139,11 @@ class TrainConfig:
         "--optimizer demo: dtype of the coefficient values sent (indices: uint8/int16).",
         choices=["bfloat16", "float16", "float32"],
     )
+    overlap_exchange: bool = _opt(
+        False,
+        "--optimizer demo: start each step's all-gather and apply it one step later, so it runs "
+        "during the next forward and backward (a one-step-delayed update).",
+    )
     local_steps: int = _opt(
         0,
         "--optimizer diloco/sparseloco: optimizer steps between syncs (H); 0: the paper's, "
@@ -233,7 +238,8 @@ class TrainConfig:
     compression_scope: str = _opt(
         "global",
         "global: compress among all ranks; inter-node: dense reduce inside each node "
-        "(LOCAL_WORLD_SIZE ranks), compress only between nodes (none, fp16, bf16, dct).",
+        "(LOCAL_WORLD_SIZE ranks), compress only between nodes (none, fp16, bf16, dct, and "
+        "--optimizer demo).",
         choices=["global", "inter-node"],
     )
     plan_world_size: int = _opt(0, "--dry-run: ranks to plan for; 0 means WORLD_SIZE.")

@@ -62,8 +62,18 @@ def _validate_demo(config: TrainConfig) -> None:
             f"--demo-topk must be >= 1, --demo-tile-size >= 2 and --demo-beta in [0, 1), got "
             f"{config.demo_topk}, {config.demo_tile_size} and {config.demo_beta}"
         )
+    if config.overlap_exchange and config.optimizer != "demo":
+        raise UserError(
+            f"--overlap-exchange delays DeMo's exchange and does nothing for --optimizer "
+            f"{config.optimizer}; drop it or use --optimizer demo"
+        )
     if config.optimizer == "adamw":
         return
+    if config.compression_scope != "global" and config.optimizer != "demo":
+        raise UserError(
+            f"--compression-scope {config.compression_scope} works with --optimizer adamw or "
+            f"demo, not {config.optimizer}; use --compression-scope global"
+        )
     if config.compression != "none":
         raise UserError(
             f"--optimizer {config.optimizer} does its own communication and cannot run on top of "

@@ -215,9 +215,7 @@ def optimizer_rows(
     if config.optimizer == "adamw":
         return []
     if config.optimizer == "demo":
-        dtype = TOPK_VALUE_DTYPES[config.demo_value_dtype]
-        demo = demo_estimate(shapes, config.demo_topk, config.demo_tile_size, dtype, topo)
-        return [(f"demo k={config.demo_topk} tile {config.demo_tile_size}", demo)]
+        return demo_rows(config, shapes, topo)
     settings = local_update_settings(config)
     if settings.method == "diloco":
         dtype = PSEUDO_GRADIENT_DTYPES[settings.pseudo_gradient_dtype]
@@ -235,6 +233,24 @@ def optimizer_rows(
         (f"{name}: per step (sync / {settings.local_steps})", per_step),
         ("demo k=32 tile 64 (default, for comparison)", demo),
     ]
+
+
+def demo_rows(
+    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology
+) -> list[tuple[str, CommEstimate]]:
+    """DeMo's rows: the run's own exchange (node-aware with --compression-scope inter-node,
+    overlapped with --overlap-exchange), then the flat and node-aware exchanges it is not."""
+    dtype = TOPK_VALUE_DTYPES[config.demo_value_dtype]
+    base = f"demo k={config.demo_topk} tile {config.demo_tile_size}"
+    own = (config.compression_scope == "inter-node", config.overlap_exchange)
+    rows = []
+    for node_aware, overlap in [own, *[v for v in [(False, False), (True, False)] if v != own]]:
+        name = base + (" inter-node" if node_aware else "") + (" overlapped" if overlap else "")
+        comm = demo_estimate(
+            shapes, config.demo_topk, config.demo_tile_size, dtype, topo, node_aware, overlap
+        )
+        rows.append((name, comm))
+    return rows
 
 
 def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv) -> None:

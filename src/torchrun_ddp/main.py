@@ -38,7 +38,7 @@ from torchrun_ddp.build import (
 from torchrun_ddp.checkpoint import (
     record_run_id,
 )
-from torchrun_ddp.compression import LocalUpdates
+from torchrun_ddp.compression import DeMo, LocalUpdates
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_io import save_config
 from torchrun_ddp.distributed import (
@@ -147,6 +147,8 @@ def train(trainer: Trainer) -> bool:
             progress.update()
             if is_log_step(trainer.step, config.log_every, max_steps):
                 data_ends, stopping = check_in(trainer, max_steps, stop.requested, progress)
+            if trainer.step >= max_steps or data_ends:
+                flush_exchange(trainer)
             if stopping:
                 save_checkpoint(trainer)
                 log.warning("stopped by a signal: checkpoint saved at step %d", trainer.step)
@@ -221,6 +223,13 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
     trainer.scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
+
+
+def flush_exchange(trainer: Trainer) -> None:
+    """At the end of training: apply DeMo's update still in flight (--overlap-exchange), so the
+    last step is evaluated, checkpointed and exported with it (collective)."""
+    if isinstance(trainer.optimizer, DeMo) and trainer.optimizer.flush():
+        log.info("applied the last DeMo update in flight (step %d)", trainer.step)
 
 
 def after_step(trainer: Trainer) -> None:

@@ -35,6 +35,7 @@ from torchrun_ddp.checkpoint import (
 )
 from torchrun_ddp.compression import DeMo, LocalMomentum, LocalUpdates, RankState, SyncedState
 from torchrun_ddp.config_checks import global_batch_accumulation
+from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import lora_settings
 from torchrun_ddp.training_data import DATA_ORDER
 
@@ -99,6 +100,8 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
     }
     if isinstance(trainer.optimizer, LocalUpdates):  # the outer state's tensors must match
         identity["outer_momentum"] = bool(trainer.optimizer.settings.outer_momentum)
+    if config.compression_scope != "global" or config.overlap_exchange:  # DeMo's saved layout
+        identity["demo_exchange"] = [config.compression_scope, config.overlap_exchange]
     return identity
 
 
@@ -142,10 +145,19 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     if per_rank is None:
         resume_resharded(trainer, path)
     else:
-        for name, obj in rank_state(trainer).items():
-            obj.load_state_dict(per_rank[name])
-        restore_rng_state(per_rank["rng"])
+        load_rank_state(trainer, per_rank, path)
     log.info("resumed from %s at step %d", path, trainer.step)
+
+
+def load_rank_state(trainer: Trainer, per_rank: dict[str, object], path: Path) -> None:
+    """This rank's own state from a checkpoint of this world size; a layout that does not fit
+    (e.g. DeMo's per-node shares under another ranks-per-node) is a UserError."""
+    for name, obj in rank_state(trainer).items():
+        try:
+            obj.load_state_dict(per_rank[name])
+        except ValueError as exc:
+            raise UserError(f"cannot resume {path}: {exc}") from exc
+    restore_rng_state(per_rank["rng"])
 
 
 def adapt_to_world_size(trainer: Trainer, saved: dict[str, object]) -> None:
@@ -182,7 +194,10 @@ def resume_resharded(trainer: Trainer, path: Path) -> None:
     if dropped:
         log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
     if isinstance(trainer.optimizer, DeMo):  # per-rank momentum: W' ranks cannot share W's
-        log.warning("DeMo momentum saved at another world size is reset to zero")
+        log.warning(
+            "DeMo momentum (and an --overlap-exchange update in flight) saved at another world "
+            "size is reset to zero"
+        )
     elif isinstance(trainer.optimizer, LocalUpdates):  # its synced state loaded with the shared
         resume_local_updates(trainer.optimizer, trainer.env.rank, path)
     elif isinstance(trainer.optimizer, ZeroRedundancyOptimizer):  # hyperparameters, as rank 0's

@@ -35,17 +35,26 @@ bit-identical on all ranks; ``delta`` differs between ranks (it is local state).
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from torchrun_ddp.compression.demo_exchange import (
+    Counter,
+    InFlight,
+    MessageExchange,
+    assign_owners,
+)
 from torchrun_ddp.compression.settings import TOPK_VALUE_DTYPES, CompressionSettings
 from torchrun_ddp.compression.state import CompressionState
 from torchrun_ddp.compression.transform import dct_basis, index_dtype, tile_shape
 from torchrun_ddp.compression.wire import dense_wire_bytes
+
+if TYPE_CHECKING:
+    from torchrun_ddp.distributed import NodeGroups
 
 
 @dataclass(frozen=True)
@@ -163,10 +172,6 @@ def tile_codec(shape: tuple[int, ...], settings: DemoSettings) -> TileCodec:
     return TileCodec(tuple(shape), sides, min(settings.topk, math.prod(sides)))
 
 
-Counter = Callable[[str, int, dist.ProcessGroup | None], None]
-"""``CompressionState.count``: records one collective's input bytes for the metrics."""
-
-
 class DeMo(Optimizer):
     """DeMo (see the module docstring) as a ``torch.optim.Optimizer``.
 
@@ -178,10 +183,19 @@ class DeMo(Optimizer):
     call it, in the same step. ``counter`` (e.g. ``CompressionState.count``) is told the bytes
     of that all-gather.
 
-    State per parameter: ``delta`` (the momentum, the parameter's shape, always fp32: in bf16,
-    ``0.999 * delta`` would round back to ``delta`` and small ``lr * g`` would round away),
-    created zero here, so ``state_dict`` is complete from the start (DCP's ``get_state_dict``
-    then never runs a step to create state) and a checkpoint restores it exactly.
+    ``node_groups`` (``distributed.new_node_groups``) makes the exchange node-aware
+    (``demo_exchange``): the gradients must then be the node's mean (the hook of
+    :func:`register_local_gradients` with ``node_groups``), and this rank keeps and sends the
+    momentum of its share of the parameters only. ``overlap``: each step starts its exchange
+    and applies the previous step's, so the all-gather runs during the next forward and backward
+    (a one-step-delayed update: the gradient of step t+1 is taken before step t's update is
+    applied); :meth:`flush` applies the last one. Without ``overlap`` the step waits for its own.
+
+    State per owned parameter: ``delta`` (the momentum, the parameter's shape, always fp32: in
+    bf16, ``0.999 * delta`` would round back to ``delta`` and small ``lr * g`` would round
+    away), created zero here, so ``state_dict`` is complete from the start (DCP's
+    ``get_state_dict`` then never runs a step to create state) and a checkpoint restores it
+    exactly; with ``overlap``, the update in flight (:class:`LocalMomentum` saves it).
 
     Raises ``ValueError`` for bad settings, and ``RuntimeError`` (from torch) without an
     initialised process group.
@@ -195,52 +209,92 @@ class DeMo(Optimizer):
         weight_decay: float = 0.0,
         process_group: dist.ProcessGroup | None = None,
         counter: Counter | None = None,
+        node_groups: "NodeGroups | None" = None,
+        overlap: bool = False,
     ) -> None:
         self.settings = settings or DemoSettings()
         validate_demo(self.settings)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
-        self.process_group = process_group
-        self.counter = counter
         self.value_dtype = TOPK_VALUE_DTYPES[self.settings.value_dtype]
-        self.codecs: dict[torch.Tensor, TileCodec] = {}
-        for param in self._trained():
-            self.state[param]["delta"] = torch.zeros_like(param, dtype=torch.float32)
-            self.codecs[param] = tile_codec(tuple(param.shape), self.settings)
+        self.overlap = overlap
+        self.pending: InFlight | None = None
+        trained = self._trained()
+        self.codecs = {p: tile_codec(tuple(p.shape), self.settings) for p in trained}
+        sizes = [self._message_bytes(self.codecs[p]) for p in trained]
+        parts = node_groups.local_world_size if node_groups else 1
+        owners = assign_owners(sizes, parts)
+        self.owners = dict(zip(trained, owners, strict=True))
+        self.local_rank = dist.get_rank(node_groups.intra) if node_groups else 0
+        lengths = [
+            sum(n for n, o in zip(sizes, owners, strict=True) if o == j) for j in range(parts)
+        ]
+        self.exchange = MessageExchange(lengths, process_group, node_groups, counter)
+        for param in trained:
+            if self.owners[param] == self.local_rank:
+                self.state[param]["delta"] = torch.zeros_like(param, dtype=torch.float32)
 
     def _trained(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
+    def _message_bytes(self, codec: TileCodec) -> int:
+        return codec.value_count * (self.value_dtype.itemsize + codec.index_dtype.itemsize)
+
     def payload_bytes(self) -> int:
-        """Bytes of this rank's all-gather payload per step (see ``wire.demo_payload_bytes``)."""
-        per_value = self.value_dtype.itemsize
-        return sum(
-            codec.value_count * (per_value + codec.index_dtype.itemsize)
-            for codec in self.codecs.values()
-        )
+        """Bytes of this rank's all-gather payload per step (see ``wire.demo_payload_bytes``;
+        node-aware: the largest share's, to which every share is padded)."""
+        return self.exchange.padded
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One DeMo step over all parameters (collective); returns ``closure()``'s loss if any."""
+        """One DeMo step over all parameters (collective); returns ``closure()``'s loss if any.
+
+        With ``overlap``: this step's exchange is started and left running, and the previous
+        step's (finished meanwhile) is applied: every update lands one step late.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         trained = [(p, group) for group in self.param_groups for p in group["params"]]
         trained = [(p, group) for p, group in trained if p.requires_grad]
-        messages = [self._compress(p, float(group["lr"])) for p, group in trained]
-        if not messages:
+        if not trained:
             return loss
-        gathered = self._all_gather(torch.cat(messages))
-        offset = 0
-        for (param, group), message in zip(trained, messages, strict=True):
-            rows = gathered[:, offset : offset + message.numel()]
-            offset += message.numel()
-            direction = self._decode(self.codecs[param], rows)
-            lr, decay = float(group["lr"]), float(group["weight_decay"])
+        mine = [(p, group) for p, group in trained if self.owners[p] == self.local_rank]
+        messages = [self._compress(p, float(group["lr"])) for p, group in mine]
+        message = torch.cat(messages) if messages else torch.zeros(0, dtype=torch.uint8)
+        lrs = [(float(group["lr"]), float(group["weight_decay"])) for _, group in trained]
+        flight = self.exchange.start(message.to(trained[0][0].device), lrs)
+        if not self.overlap:
+            self._apply(flight)
+            return loss
+        previous, self.pending = self.pending, flight
+        if previous is not None:
+            self._apply(previous)
+        return loss
+
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """Apply the update still in flight (``overlap``; a collective when it is node-aware);
+        True if there was one. Called at the end of training so the last step is not lost."""
+        if self.pending is None:
+            return False
+        self._apply(self.pending)
+        self.pending = None
+        return True
+
+    def _apply(self, flight: InFlight) -> None:
+        """Decode every parameter's gathered messages and step it with ``flight``'s rates."""
+        rows_by_owner = self.exchange.finish(flight)
+        offsets = [0] * len(rows_by_owner)
+        for param, (lr, decay) in zip(self._trained(), flight.lrs, strict=True):
+            codec, owner = self.codecs[param], self.owners[param]
+            size = self._message_bytes(codec)
+            rows = rows_by_owner[owner][:, offsets[owner] : offsets[owner] + size]
+            offsets[owner] += size
+            direction = self._decode(codec, rows)
             if decay:
                 param.mul_(1.0 - lr * decay)
             param.add_(direction.to(param.dtype), alpha=-lr)
-        return loss
 
     def _compress(self, param: torch.Tensor, lr: float) -> torch.Tensor:
         """Momentum update, top-k per tile, subtraction of what is sent; the message as uint8:
@@ -260,15 +314,6 @@ class DeMo(Optimizer):
         return torch.cat(
             [values.reshape(-1).view(torch.uint8), wire_positions.reshape(-1).view(torch.uint8)]
         )
-
-    def _all_gather(self, payload: torch.Tensor) -> torch.Tensor:
-        """Every rank's payload, [world_size, payload bytes] uint8, in rank order."""
-        world = dist.get_world_size(self.process_group)
-        if self.counter is not None:
-            self.counter("all_gather", payload.numel(), self.process_group)
-        gathered = payload.new_empty(world * payload.numel())
-        dist.all_gather_into_tensor(gathered, payload, group=self.process_group)
-        return gathered.view(world, -1)
 
     def _decode(self, codec: TileCodec, rows: torch.Tensor) -> torch.Tensor:
         """All ranks' messages of one parameter ([world_size, message bytes] uint8) -> the step
@@ -306,15 +351,26 @@ class LocalMomentum:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, object]:
-        """``{"state": {"<position>": {"delta": tensor}}, "param_groups": [...]}``."""
+        """``{"state": {"<position>": {"delta": tensor}}, "param_groups": [...]}``, plus
+        ``"pending"`` with ``overlap``: the update in flight (waited for here), its gathered
+        messages per owner ([senders, bytes] uint8) and its rates ([parameters, 2] float64)."""
         local = self.optimizer.state_dict()
         state = {str(index): values for index, values in local["state"].items()}
-        return {"state": state, "param_groups": local["param_groups"]}
+        saved: dict[str, object] = {"state": state, "param_groups": local["param_groups"]}
+        flight = self.optimizer.pending
+        if flight is not None:
+            rows = self.optimizer.exchange.finish(flight)
+            saved["pending"] = {
+                "rows": {str(owner): part.contiguous() for owner, part in enumerate(rows)},
+                "lrs": torch.tensor(flight.lrs, dtype=torch.float64),
+            }
+        return saved
 
     def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
         """Restore what ``state_dict`` returned on this rank, bit for bit (copied in place).
 
-        Raises ``ValueError`` when the saved groups do not match this optimizer's.
+        Raises ``ValueError`` when the saved groups or owned parameters do not match this
+        optimizer's (another node layout), or an update in flight meets a run without overlap.
         """
         groups = cast(list[Mapping[str, object]], state_dict["param_groups"])
         if len(groups) != len(self.optimizer.param_groups):
@@ -324,10 +380,34 @@ class LocalMomentum:
             )
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         saved = cast(Mapping[str, Mapping[str, torch.Tensor]], state_dict["state"])
+        owned = {index for index, p in enumerate(params) if "delta" in self.optimizer.state[p]}
+        if {int(index) for index in saved} != owned:
+            raise ValueError(
+                "saved DeMo momentum covers other parameters than this rank's share (another "
+                "--compression-scope or ranks per node); resume with the saved layout"
+            )
         for index, values in saved.items():
             self.optimizer.state[params[int(index)]]["delta"].copy_(values["delta"])
         for group, saved_group in zip(self.optimizer.param_groups, groups, strict=True):
             group.update({key: value for key, value in saved_group.items() if key != "params"})
+        self._load_pending(cast(Mapping[str, object] | None, state_dict.get("pending")))
+
+    def _load_pending(self, pending: Mapping[str, object] | None) -> None:
+        """Restore the update in flight (already gathered, so nothing is exchanged again)."""
+        self.optimizer.pending = None
+        if pending is None:
+            return
+        if not self.optimizer.overlap:
+            raise ValueError(
+                "the checkpoint holds a DeMo update in flight (--overlap-exchange); resume with "
+                "--overlap-exchange"
+            )
+        rows = cast(Mapping[str, torch.Tensor], pending["rows"])
+        lrs = cast(torch.Tensor, pending["lrs"]).tolist()
+        parts = [rows[str(owner)].clone() for owner in range(len(rows))]
+        empty = parts[0].new_empty(0)
+        flight = InFlight(empty, None, [(float(lr), float(wd)) for lr, wd in lrs], parts)
+        self.optimizer.pending = flight
 
 
 def _local_hook(
@@ -348,17 +428,46 @@ def _local_hook(
     return done
 
 
+def _node_mean_hook(
+    state: CompressionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook of node-aware DeMo: the bucket becomes the mean over the ranks of this
+    node (an fp32 all-reduce in ``state.node_groups.intra``, the fast links); nothing crosses
+    the uplinks. Counts that all-reduce and the dense one it replaces, as :func:`_local_hook`."""
+    buffer = bucket.buffer()
+    state.hook_calls += 1
+    state.comm_bytes_dense += dense_wire_bytes(buffer.numel(), state.world_size)
+    if bucket.is_last():
+        state.step += 1
+    assert state.node_groups is not None
+    intra = state.node_groups.intra
+    flat = buffer if buffer.dtype == torch.float32 else buffer.float()
+    flat.div_(dist.get_world_size(intra))
+    state.count("all_reduce", flat.numel() * flat.element_size(), intra)
+    work = dist.all_reduce(flat, group=intra, async_op=True)
+
+    def averaged(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        total = future.value()[0]
+        return total if total is buffer else buffer.copy_(total)
+
+    return work.get_future().then(averaged)
+
+
 def register_local_gradients(
-    model: DistributedDataParallel, process_group: dist.ProcessGroup | None = None
+    model: DistributedDataParallel,
+    process_group: dist.ProcessGroup | None = None,
+    node_groups: "NodeGroups | None" = None,
 ) -> CompressionState:
-    """Register :func:`_local_hook` on ``model`` (DDP then communicates nothing in backward) and
-    return the state that counts bytes; pass its ``count`` to :class:`DeMo` as ``counter``.
+    """Register :func:`_local_hook` on ``model`` (DDP then communicates nothing in backward), or
+    with ``node_groups`` :func:`_node_mean_hook` (gradients averaged inside each node), and
+    return the state that counts bytes; pass it to :func:`build_demo`.
 
     Call on every rank after constructing the DDP model and before the first backward. Raises
     whatever ``register_comm_hook`` raises (e.g. a hook already registered).
     """
-    state = CompressionState(CompressionSettings(method="none"), model.parameters(), process_group)
-    model.register_comm_hook(state, _local_hook)
+    settings = CompressionSettings(method="none")
+    state = CompressionState(settings, model.parameters(), process_group, node_groups)
+    model.register_comm_hook(state, _node_mean_hook if node_groups else _local_hook)
     return state
 
 
@@ -367,8 +476,17 @@ def build_demo(
     learning_rate: float,
     settings: DemoSettings,
     state: CompressionState,
+    overlap: bool = False,
 ) -> DeMo:
     """DeMo over ``param_groups`` (``optimizer.parameter_groups``: decoupled weight decay on
-    matrices only), exchanging in ``state``'s process group and counting its bytes there."""
-    group = state.process_group
-    return DeMo(param_groups, learning_rate, settings, process_group=group, counter=state.count)
+    matrices only), exchanging in ``state``'s process group (node-aware when ``state`` has node
+    groups) and counting its bytes there; ``overlap``: see :class:`DeMo`."""
+    return DeMo(
+        param_groups,
+        learning_rate,
+        settings,
+        process_group=state.process_group,
+        counter=state.count,
+        node_groups=state.node_groups,
+        overlap=overlap,
+    )

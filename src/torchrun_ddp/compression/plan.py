@@ -60,6 +60,9 @@ class CommEstimate:
     seconds: float
     overlaps: bool
     waits: str = "per bucket"
+    hides_behind: float = 2 / 3
+    """Share of forward plus backward the communication can run during when it ``overlaps``:
+    backward's 2/3 for DDP's buckets, all of the next step's compute for a delayed update."""
 
 
 def _value_bytes(settings: CompressionSettings) -> int:
@@ -129,14 +132,37 @@ def demo_estimate(
     tile: int,
     value_dtype: torch.dtype,
     topo: Topology,
+    node_aware: bool = False,
+    overlap: bool = False,
 ) -> CommEstimate:
     """DeMo's (``--optimizer demo``) step: one all-gather over all ranks of every rank's top-k
     (position, value) pairs per tile of the trained parameters of ``shapes``
     (:func:`~torchrun_ddp.compression.wire.demo_payload_bytes`), run by the optimizer after
-    backward, so it never overlaps backward. Peng, Quesnelle & Kingma 2024, arXiv:2411.19870."""
+    backward, so it never overlaps backward. Peng, Quesnelle & Kingma 2024, arXiv:2411.19870.
+
+    ``node_aware`` (``--compression-scope inter-node``, ``compression.demo_exchange``): an fp32
+    all-reduce of the gradients and an all-gather of the ``N`` nodes' messages inside the node
+    (intra-node links), and across nodes one all-gather per local rank of its ``1 / L`` share,
+    so the uplink carries ``(N - 1)`` whole messages. ``overlap`` (``--overlap-exchange``): the
+    exchange runs during the next step's forward and backward."""
     payload = demo_payload_bytes(shapes, topk, tile, value_dtype)
     comm = _global("all_gather", payload, topo, overlaps=False)
+    if node_aware and topo.nodes > 1 and topo.per_node > 1:
+        comm = _node_aware_demo(payload, sum(map(math.prod, shapes)), topo)
+    if overlap:
+        return replace(comm, overlaps=True, hides_behind=1.0)
     return replace(comm, waits="in the optimizer step")
+
+
+def _node_aware_demo(payload: float, numel: int, topo: Topology) -> CommEstimate:
+    """Node-aware DeMo's collectives (see :func:`demo_estimate`), bandwidth model."""
+    per_node, nodes = topo.per_node, topo.nodes
+    inside = wire_bytes("all_reduce", numel * FP32, per_node)
+    inside += wire_bytes("all_gather", nodes * payload / per_node, per_node)
+    between = wire_bytes("all_gather", payload / per_node, nodes)
+    uplink = between * per_node
+    seconds = inside * 8 / topo.intra_bits_per_s + uplink * 8 / topo.inter_bits_per_s
+    return CommEstimate(inside + between, uplink, seconds, overlaps=False)
 
 
 def local_update_estimates(
@@ -192,10 +218,12 @@ def state_bytes(
 def predicted_step_seconds(comm: CommEstimate, compute_s: float) -> float:
     """Step time: forward plus backward (``compute_s``, backward taken as 2/3 of it, Kaplan et
     al. 2020) and the communication that does not hide behind backward. A hook that returns
-    early overlaps backward: ``forward + max(backward, comm)``; one that waits adds it whole."""
-    backward = compute_s * 2 / 3
+    early overlaps backward: ``forward + max(backward, comm)``; a delayed update overlaps the
+    whole next step (``comm.hides_behind`` = 1): ``max(compute, comm)``; one that waits adds it
+    whole."""
+    hidden = compute_s * comm.hides_behind
     if comm.overlaps:
-        return compute_s - backward + max(backward, comm.seconds)
+        return compute_s - hidden + max(hidden, comm.seconds)
     return compute_s + comm.seconds
 
 
@@ -266,7 +294,7 @@ def communication_table(
 
 
 def _table_row(name: str, comm: CommEstimate, dense: CommEstimate, compute_s: float) -> str:
-    hides = "yes" if comm.seconds <= compute_s * 2 / 3 else "no"
+    hides = "yes" if comm.seconds <= compute_s * comm.hides_behind else "no"
     if not comm.overlaps:
         hides = f"no (waits {comm.waits})"
     return (
