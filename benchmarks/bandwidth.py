@@ -185,15 +185,22 @@ class TwoNodes:
             ip("ip", "-n", ns, "link", "set", "lo", "up")
             ip("ip", "-n", ns, "link", "set", iface, "up")
 
-    def shape(self, bits_per_s: float) -> None:
-        """Limit each direction to ``bits_per_s`` with tbf on both veth ends (0: no limit)."""
+    def shape(self, bits_per_s: float, rtt_ms: float = 0.0) -> None:
+        """Limit each direction to ``bits_per_s`` with tbf on both veth ends (0: no limit) and,
+        with ``rtt_ms``, delay each direction by half of it with netem in front of the tbf."""
         for ns, iface in zip(self.names, self.ifaces, strict=True):
+            _quiet("tc", "-n", ns, "qdisc", "del", "dev", iface, "root")
+            parent = ["root"]
+            if rtt_ms > 0:
+                delay = f"{rtt_ms / 2:g}ms"
+                netem = ["qdisc", "add", "dev", iface, "root", "handle", "1:", "netem"]
+                ip("tc", "-n", ns, *netem, "delay", delay, "limit", "100000")
+                parent = ["parent", "1:1", "handle", "2:"]
             if bits_per_s <= 0:
-                _quiet("tc", "-n", ns, "qdisc", "del", "dev", iface, "root")
                 continue
             burst = str(max(65536, int(bits_per_s / 8 * 0.004)))
             rate = f"{int(bits_per_s)}bit"
-            qdisc = ["qdisc", "replace", "dev", iface, "root", "tbf"]
+            qdisc = ["qdisc", "add", "dev", iface, *parent, "tbf"]
             ip("tc", "-n", ns, *qdisc, "rate", rate, "burst", burst, "latency", "50ms")
 
     def destroy(self) -> None:

@@ -65,6 +65,14 @@ def _node_aware(variant: Variant) -> Variant:
     return Variant(f"{variant.name}-node", label, flags, variant.collective, "inter-node")
 
 
+def _overlapped(variant: Variant) -> Variant:
+    """DeMo ``variant`` with ``--overlap-exchange`` (name suffix ``-overlap``)."""
+    flags = (*variant.flags, "--overlap-exchange")
+    label = f"{variant.label}, overlapped"
+    name = f"{variant.name}-overlap"
+    return Variant(name, label, flags, variant.collective, variant.scope, variant.period)
+
+
 def _topk(k: int, block: int, values: str = "float32") -> Variant:
     """``dct-topk`` sending the ``k`` largest coefficients of every ``block``.
 
@@ -148,6 +156,9 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _topk(8, block, "bfloat16"),
         _topk(4, block, "bfloat16"),
         _demo(32),
+        _node_aware(_demo(32)),
+        _overlapped(_demo(32)),
+        _overlapped(_node_aware(_demo(32))),
         _demo(16),
         _demo(8),
         _demo(4),
