@@ -15,7 +15,9 @@ loss I need? Two measurements answer it, each where it can be made:
    per rank x all ranks of the timing runs = the frontier's 2 ranks x 4 windows by default).
 
 Time to target = steps to target x step time. The table gives it per link with the speed-up over
-dense; ``--png`` draws held-out loss against wall-clock seconds (each evaluation's step x the
+dense, and, when ``off`` (no limit) is one of the ``--links``, the step time the ``--dry-run``
+communication plan predicts on each limited link (its bandwidth model at the measured link rate,
+with the method's own step time on the unlimited link as its compute time); ``--png`` draws held-out loss against wall-clock seconds (each evaluation's step x the
 step time), one line per method, one panel per link. ``--end-to-end METHOD`` also trains METHOD
 on the limited link to ``--target-step`` and reports its measured wall clock next to the
 composed estimate, which checks the composition.
@@ -36,7 +38,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,6 +48,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from bandwidth import (
+    INTRA_NODE_BITS,
     RDZV_PORT,
     SetupError,
     TwoNodes,
@@ -67,6 +70,11 @@ from common import (
     train_env,
     wait_all,
 )
+
+from torchrun_ddp.compression.plan import Topology, predicted_step_seconds
+from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.dry_run import run_estimate, trained_shapes
+from torchrun_ddp.model import load_model_config
 
 Curve = dict[int, float]
 """Held-out loss by optimizer step (mean over seeds)."""
@@ -160,10 +168,31 @@ def run_on_link(nodes: TwoNodes, train: list[str], run_dir: Path, port: int) -> 
 
 @dataclass
 class Timing:
-    """Median step seconds by (link, method), and each link's measured rate in bit/s."""
+    """Median step seconds by (link, method), each link's measured rate in bit/s, and the
+    ``--dry-run`` plan's predicted step seconds by (link, method) (see :func:`predict`)."""
 
     seconds: dict[tuple[str, str], float]
     measured: dict[str, float]
+    predicted: dict[tuple[str, str], float] = field(default_factory=dict)
+
+
+def predict(args: argparse.Namespace, variants: list[Variant], timing: Timing) -> None:
+    """Fill ``timing.predicted``: the communication plan (``dry_run.run_estimate``) at each
+    link's measured rate, composed with the method's own step time on the unlimited link
+    (``off`` in ``--links``) as its compute time; nothing without an ``off`` link."""
+    if "off" not in timing.measured:
+        return
+    for variant in variants:
+        flags = ["--model", str(REPO / args.model), "--seq-length", str(args.seq_length)]
+        config = parse_config([*flags, "--batch-size", str(args.batch_size), *variant.flags])
+        shapes = trained_shapes(config, load_model_config(config.model))
+        compute_s = timing.seconds[("off", variant.name)]
+        for spec, bits in timing.measured.items():
+            if spec == "off":
+                continue
+            topo = Topology(2 * args.procs_per_node, args.procs_per_node, INTRA_NODE_BITS, bits)
+            comm = run_estimate(config, shapes, topo)
+            timing.predicted[(spec, variant.name)] = predicted_step_seconds(comm, compute_s)
 
 
 def time_steps(
@@ -191,6 +220,7 @@ def table(variants: list[Variant], curves: dict[str, Curve], target: float, timi
     header = ["method", "steps to target"]
     for spec in timing.measured:
         header += [f"step s @ {spec}", f"time to target s @ {spec}", f"vs dense @ {spec}"]
+        header += [f"predicted step s @ {spec}"] if timing.predicted and spec != "off" else []
     dense_steps = steps_to(curves.get("none", {}), target)
     rows = []
     for variant in variants:
@@ -201,6 +231,9 @@ def table(variants: list[Variant], curves: dict[str, Curve], target: float, timi
             total = steps * seconds
             dense = dense_steps * timing.seconds.get((spec, "none"), math.nan)
             row += [f"{seconds:.3f}", _seconds(total), _speedup(dense, total)]
+            if timing.predicted and spec != "off":
+                predicted = timing.predicted[(spec, variant.name)]
+                row.append(f"{predicted:.3f} ({100 * (predicted / seconds - 1):+.0f}%)")
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -299,6 +332,7 @@ def main(argv: list[str]) -> int:
     except (SetupError, RuntimeError) as exc:
         print(f"time-to-loss benchmark: {exc}", file=sys.stderr)
         return 1
+    predict(args, variants, timing)
     text = table(variants, curves, target, timing)
     text += f"\n\nTarget: dense AdamW's mean held-out loss at step {args.target_step}: "
     text += f"{target:.4f}.\n" + (f"{extra}\n" if extra else "")

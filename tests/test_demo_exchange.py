@@ -36,8 +36,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrun_ddp.architecture import llama2_7b_config
 from torchrun_ddp.build import Trainer
 from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
-from torchrun_ddp.compression import DeMo, DemoSettings, LocalMomentum, register_local_gradients
-from torchrun_ddp.compression.demo_exchange import assign_owners
+from torchrun_ddp.compression import (
+    DeMo,
+    DemoSettings,
+    LocalMomentum,
+    LocalUpdateSettings,
+    build_local_updates,
+    register_local_gradients,
+)
+from torchrun_ddp.compression.demo_exchange import MessageExchange, assign_owners
 from torchrun_ddp.compression.plan import (
     Topology,
     demo_estimate,
@@ -45,7 +52,7 @@ from torchrun_ddp.compression.plan import (
     predicted_step_seconds,
 )
 from torchrun_ddp.compression.settings import CompressionSettings
-from torchrun_ddp.compression.wire import demo_payload_bytes, wire_bytes
+from torchrun_ddp.compression.wire import demo_payload_bytes, sparseloco_payload_bytes, wire_bytes
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv, NodeGroups, new_node_groups
 from torchrun_ddp.dry_run import trained_shapes
@@ -89,14 +96,38 @@ def _run(rank: int, settings: DemoSettings, groups: NodeGroups | None) -> dict[s
     ddp, demo = _build(5, settings, groups)
     _train(ddp, demo, rank, range(STEPS))
     shapes = [tuple(p.shape) for p in ddp.module.parameters()]
+    formula = demo_payload_bytes(shapes, settings.topk, settings.tile, torch.bfloat16)
+    owned = sum(1 for p in demo.codecs if "delta" in demo.state[p])
+    return {**_outcome(ddp, demo.exchange, formula), "owned": owned}
+
+
+def _outcome(ddp: DistributedDataParallel, exchange: MessageExchange, formula: int) -> dict:
+    """Parameters after the run, the exchange's bytes and share lengths, the payload formula."""
     return {
         "params": flat_parameters(ddp.module),
-        "uplink": demo.exchange.inter_node_bytes,
-        "lengths": demo.exchange.lengths,
-        "padded": demo.exchange.padded,
-        "owned": sum(1 for p in demo.codecs if "delta" in demo.state[p]),
-        "formula": demo_payload_bytes(shapes, settings.topk, settings.tile, torch.bfloat16),
+        "uplink": exchange.inter_node_bytes,
+        "lengths": exchange.lengths,
+        "padded": exchange.padded,
+        "formula": formula,
     }
+
+
+SPARSE = LocalUpdateSettings("sparseloco", 2, outer_lr=1.0, outer_momentum=0.0, topk=4, chunk=8)
+
+
+def _sparseloco(rank: int, groups: NodeGroups | None) -> dict[str, object]:
+    """SparseLoCo (H 2) on small_mlp: ``STEPS`` steps (3 syncs) of this rank's own data."""
+    ddp = DistributedDataParallel(small_mlp(5))
+    state = register_local_gradients(ddp, node_groups=groups)
+    inner = torch.optim.AdamW(parameter_groups(ddp.module, 0.1), lr=0.01)
+    optimizer = build_local_updates(inner, SPARSE, state)
+    for step in range(STEPS):
+        accumulate_local_batches(ddp, step, rank)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    shapes = [tuple(p.shape) for p in ddp.module.parameters()]
+    formula = sparseloco_payload_bytes(shapes, SPARSE.topk, SPARSE.chunk, SPARSE.quant_bits)
+    return _outcome(ddp, optimizer.exchange, formula)
 
 
 def _overlap_is_flat_one_step_late(rank: int) -> bool:
@@ -181,6 +212,9 @@ def _worker(rank: int, world_size: int, root: str, data: str) -> dict[str, objec
         "aware_all": _run(rank, SEND_ALL, aware),
         "flat_all": _run(rank, SEND_ALL, None),
         "overlap_late": _overlap_is_flat_one_step_late(rank),
+        "sparse_aware": _sparseloco(rank, aware),
+        "sparse_flat": _sparseloco(rank, None),
+        "sparse_one_per_node": _sparseloco(rank, one_per_node),
         "overlap_resume": _overlap_resume(rank, str(Path(root) / "optimizer"), aware),
         "trainer": _trainer_runs(rank, data, Path(root)),
     }
@@ -241,6 +275,24 @@ def test_node_aware_with_top_k_is_another_algorithm(ranks: list[dict]) -> None:
     assert not torch.equal(ranks[0]["aware"]["params"], ranks[0]["flat"]["params"])
 
 
+def test_node_aware_sparseloco_ranks_identical_and_uplink_as_formula(ranks: list[dict]) -> None:
+    """After the third sync every rank holds the same parameters; per sync the node's uplink
+    carries (N - 1) x the padded share per local rank, the shares adding up to the flat
+    message."""
+    first = ranks[0]["sparse_aware"]
+    assert all(torch.equal(r["sparse_aware"]["params"], first["params"]) for r in ranks[1:])
+    assert sum(first["lengths"]) == first["formula"] == ranks[0]["sparse_flat"]["padded"]
+    syncs = STEPS // SPARSE.local_steps
+    node_uplink = sum(r["sparse_aware"]["uplink"] for r in ranks[:PER_NODE]) / syncs
+    assert node_uplink == PER_NODE * (NODES - 1) * first["padded"]
+    assert not torch.equal(first["params"], ranks[0]["sparse_flat"]["params"]), "per-node replicas"
+
+
+def test_sparseloco_one_rank_per_node_is_flat_bit_for_bit(ranks: list[dict]) -> None:
+    for result in ranks:
+        assert torch.equal(result["sparse_one_per_node"]["params"], result["sparse_flat"]["params"])
+
+
 def test_overlap_is_flat_demo_one_step_late_and_flush_loses_nothing(ranks: list[dict]) -> None:
     assert all(result["overlap_late"] for result in ranks)
 
@@ -296,7 +348,7 @@ def test_plan_node_aware_demo_uplink_is_30x_below_dense_at_8_by_8() -> None:
     ("flags", "needle"),
     [
         (["--overlap-exchange"], "--overlap-exchange delays DeMo's exchange"),
-        (["--optimizer", "diloco", "--compression-scope", "inter-node"], "works with --optimizer"),
+        (["--optimizer", "diloco", "--compression-scope", "inter-node"], "not diloco"),
     ],
 )
 def test_exchange_options_are_refused_in_one_line(flags: list[str], needle: str) -> None:

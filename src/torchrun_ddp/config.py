@@ -239,7 +239,7 @@ class TrainConfig:
         "global",
         "global: compress among all ranks; inter-node: dense reduce inside each node "
         "(LOCAL_WORLD_SIZE ranks), compress only between nodes (none, fp16, bf16, dct, and "
-        "--optimizer demo).",
+        "--optimizer demo or sparseloco).",
         choices=["global", "inter-node"],
     )
     plan_world_size: int = _opt(0, "--dry-run: ranks to plan for; 0 means WORLD_SIZE.")

@@ -69,10 +69,11 @@ def _validate_demo(config: TrainConfig) -> None:
         )
     if config.optimizer == "adamw":
         return
-    if config.compression_scope != "global" and config.optimizer != "demo":
+    if config.compression_scope != "global" and config.optimizer == "diloco":
         raise UserError(
-            f"--compression-scope {config.compression_scope} works with --optimizer adamw or "
-            f"demo, not {config.optimizer}; use --compression-scope global"
+            f"--compression-scope {config.compression_scope} works with --optimizer adamw, demo "
+            "or sparseloco, not diloco (its all-reduce needs no node-aware exchange); use "
+            "--compression-scope global"
         )
     if config.compression != "none":
         raise UserError(

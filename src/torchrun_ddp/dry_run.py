@@ -37,6 +37,7 @@ from torchrun_ddp.compression.plan import (
     Topology,
     communication_table,
     demo_estimate,
+    estimate,
     local_update_estimates,
     reference_methods,
     state_bytes,
@@ -225,14 +226,28 @@ def optimizer_rows(
         payload = sparseloco_payload_bytes(
             shapes, settings.topk, settings.chunk, settings.quant_bits
         )
-    sync, per_step = local_update_estimates(collective, payload, settings.local_steps, topo)
+    node_aware = config.compression_scope == "inter-node" and settings.method == "sparseloco"
+    numel = sum(map(math.prod, shapes)) if node_aware else 0
+    sync, per_step = local_update_estimates(collective, payload, settings.local_steps, topo, numel)
     demo = demo_estimate(shapes, 32, 64, torch.bfloat16, topo)
-    name = describe_local_updates(settings)
+    name = describe_local_updates(settings) + (" inter-node" if node_aware else "")
     return [
         (f"{name}: one sync", sync),
         (f"{name}: per step (sync / {settings.local_steps})", per_step),
         ("demo k=32 tile 64 (default, for comparison)", demo),
     ]
+
+
+def run_estimate(
+    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology
+) -> CommEstimate:
+    """This run's communication per optimizer step: its --compression's, DeMo's exchange, or
+    DiLoCo's / SparseLoCo's sync shared over its --local-steps (benchmarks compare it with
+    measured step times)."""
+    if config.optimizer == "adamw":
+        return estimate(compression_settings(config), [math.prod(s) for s in shapes], topo)
+    rows = optimizer_rows(config, shapes, topo)
+    return rows[0][1] if config.optimizer == "demo" else rows[1][1]
 
 
 def demo_rows(

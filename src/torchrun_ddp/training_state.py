@@ -100,8 +100,8 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
     }
     if isinstance(trainer.optimizer, LocalUpdates):  # the outer state's tensors must match
         identity["outer_momentum"] = bool(trainer.optimizer.settings.outer_momentum)
-    if config.compression_scope != "global" or config.overlap_exchange:  # DeMo's saved layout
-        identity["demo_exchange"] = [config.compression_scope, config.overlap_exchange]
+    if config.compression_scope != "global" or config.overlap_exchange:  # per-rank shares
+        identity["exchange"] = [config.compression_scope, config.overlap_exchange]
     return identity
 
 

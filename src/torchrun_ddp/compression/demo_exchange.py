@@ -94,7 +94,7 @@ class MessageExchange:
         counter: Counter | None,
     ) -> None:
         self.lengths = list(lengths)
-        self.padded = max(1, *self.lengths)
+        self.padded = max([1, *self.lengths])
         self.process_group = process_group
         self.node_groups = node_groups
         self.counter = counter

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from torchrun_ddp.compression.demo import Counter
+from torchrun_ddp.compression.demo_exchange import Counter, MessageExchange, assign_owners
 from torchrun_ddp.compression.sparseloco_codec import chunk_codec, decode_mean, encode_chunks
 from torchrun_ddp.compression.state import CompressionState
 from torchrun_ddp.compression.wire import sparseloco_chunk_payload
@@ -59,6 +59,7 @@ from torchrun_ddp.errors import UserError
 
 if TYPE_CHECKING:
     from torchrun_ddp.config import TrainConfig
+    from torchrun_ddp.distributed import NodeGroups
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -178,6 +179,14 @@ class LocalUpdates(Optimizer):
     ``position`` (inner steps since the last sync, 0 <= position < H). Checkpointed by
     :class:`.local_update_state.SyncedState` (shared) and ``RankState`` (per rank).
 
+    ``node_groups`` (SparseLoCo only; ``--compression-scope inter-node``): every node is one
+    replica. Its ranks train on the node's mean gradient (the hook of
+    ``demo.register_local_gradients`` with ``node_groups``), so they hold the same parameters and
+    pseudo-gradient; at a sync local rank ``j`` compresses its share of the tensors
+    (``demo_exchange.assign_owners``) with its share's error feedback, one message per share
+    crosses the uplinks and the node shares the gathered messages inside
+    (``demo_exchange.MessageExchange``). The mean is then over nodes, not ranks.
+
     Raises ``ValueError`` for bad settings and ``RuntimeError`` (from torch) in ``step`` without
     an initialised process group.
     """
@@ -188,6 +197,7 @@ class LocalUpdates(Optimizer):
         settings: LocalUpdateSettings,
         process_group: dist.ProcessGroup | None = None,
         counter: Counter | None = None,
+        node_groups: NodeGroups | None = None,
     ) -> None:
         validate_local_updates(settings)
         super().__init__(inner.param_groups, inner.defaults)
@@ -212,6 +222,23 @@ class LocalUpdates(Optimizer):
             if sparse
             else []
         )
+        self._plan_exchange(node_groups)
+
+    def _plan_exchange(self, node_groups: NodeGroups | None) -> None:
+        """SparseLoCo: which local rank sends which tensors, and the exchange that carries it."""
+        sizes = [self._message_bytes(index) for index in range(len(self.codecs))]
+        parts = node_groups.local_world_size if node_groups else 1
+        self.owners = assign_owners(sizes, parts)
+        self.local_rank = dist.get_rank(node_groups.intra) if node_groups else 0
+        lengths = [0] * parts
+        for size, owner in zip(sizes, self.owners, strict=True):
+            lengths[owner] += size
+        self.exchange = MessageExchange(lengths, self.process_group, node_groups, self.counter)
+
+    def _message_bytes(self, index: int) -> int:
+        codec = self.codecs[index]
+        bits = self.settings.quant_bits
+        return sparseloco_chunk_payload(codec.n_tiles, codec.k, codec.tile_numel, bits)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -233,11 +260,7 @@ class LocalUpdates(Optimizer):
         if self.settings.method == "diloco":
             dtype = PSEUDO_GRADIENT_DTYPES[self.settings.pseudo_gradient_dtype]
             return sum(p.numel() for p in self.trained) * dtype.itemsize
-        bits = self.settings.quant_bits
-        return sum(
-            sparseloco_chunk_payload(codec.n_tiles, codec.k, codec.tile_numel, bits)
-            for codec in self.codecs
-        )
+        return self.exchange.padded
 
     def _count(self, collective: str, nbytes: int) -> None:
         if self.counter is not None:
@@ -262,19 +285,19 @@ class LocalUpdates(Optimizer):
         flat.div_(dist.get_world_size(self.process_group))
 
     def _sync_sparseloco(self) -> None:
-        """Error feedback, top-k per chunk, quantization; one all-gather; the mean of every
-        rank's sent values set as ``synced``'s gradients."""
-        messages = [self._compress(index) for index in range(len(self.trained))]
-        payload = torch.cat(messages)
-        world = dist.get_world_size(self.process_group)
-        self._count("all_gather", payload.numel())
-        gathered = payload.new_empty(world * payload.numel())
-        dist.all_gather_into_tensor(gathered, payload, group=self.process_group)
-        rows = gathered.view(world, -1)
-        offset = 0
-        for index, message in enumerate(messages):
-            part = rows[:, offset : offset + message.numel()]
-            offset += message.numel()
+        """Error feedback, top-k per chunk, quantization of this rank's tensors (all of them,
+        or its share when node-aware); the all-gather(s); the mean of every sender's values set
+        as ``synced``'s gradients."""
+        mine = [i for i, owner in enumerate(self.owners) if owner == self.local_rank]
+        messages = [self._compress(index) for index in mine]
+        device = self.synced[0].device
+        payload = torch.cat(messages) if messages else torch.zeros(0, dtype=torch.uint8)
+        rows = self.exchange.finish(self.exchange.start(payload.to(device), []))
+        offsets = [0] * len(rows)
+        for index, owner in enumerate(self.owners):
+            size = self._message_bytes(index)
+            part = rows[owner][:, offsets[owner] : offsets[owner] + size]
+            offsets[owner] += size
             self.synced[index].grad = decode_mean(
                 part, self.codecs[index], self.settings.quant_bits
             )
@@ -303,5 +326,6 @@ def build_local_updates(
     inner: Optimizer, settings: LocalUpdateSettings, state: CompressionState
 ) -> LocalUpdates:
     """:class:`LocalUpdates` around ``inner``, syncing in ``state``'s process group and counting
-    its bytes there (``state``: :func:`.demo.register_local_gradients`'s)."""
-    return LocalUpdates(inner, settings, state.process_group, counter=state.count)
+    its bytes there (``state``: :func:`.demo.register_local_gradients`'s; node-aware when it
+    has node groups)."""
+    return LocalUpdates(inner, settings, state.process_group, state.count, state.node_groups)

@@ -155,7 +155,9 @@ def demo_estimate(
 
 
 def _node_aware_demo(payload: float, numel: int, topo: Topology) -> CommEstimate:
-    """Node-aware DeMo's collectives (see :func:`demo_estimate`), bandwidth model."""
+    """Node-aware DeMo's collectives (see :func:`demo_estimate`), bandwidth model: the fp32
+    all-reduce of ``numel`` gradients and the sharing of the ``payload``-byte messages inside
+    the node, one all-gather of a ``1 / L`` share among the nodes."""
     per_node, nodes = topo.per_node, topo.nodes
     inside = wire_bytes("all_reduce", numel * FP32, per_node)
     inside += wire_bytes("all_gather", nodes * payload / per_node, per_node)
@@ -166,23 +168,34 @@ def _node_aware_demo(payload: float, numel: int, topo: Topology) -> CommEstimate
 
 
 def local_update_estimates(
-    collective: str, payload: float, local_steps: int, topo: Topology
+    collective: str,
+    payload: float,
+    local_steps: int,
+    topo: Topology,
+    node_aware_numel: int = 0,
 ) -> tuple[CommEstimate, CommEstimate]:
     """DiLoCo's or SparseLoCo's sync (``--optimizer diloco|sparseloco``): one ``collective``
     (all-reduce of the pseudo-gradient, or all-gather of each rank's top-k message) of
     ``payload`` bytes per rank, once every ``local_steps`` optimizer steps, run in the optimizer
     step (it never overlaps backward). Returns (one sync, its share of one step: every figure
     divided by ``local_steps``). Douillard et al. 2023, arXiv:2311.08105; Sarfi et al. 2025,
-    arXiv:2508.15706."""
-    sync = replace(
-        _global(collective, payload, topo, overlaps=False),
-        waits=f"in the optimizer step, every {local_steps} steps",
-    )
+    arXiv:2508.15706.
+
+    ``node_aware_numel`` (SparseLoCo with ``--compression-scope inter-node``, the trained
+    parameter count): one replica per node, whose ranks all-reduce their gradients in fp32 inside
+    the node every step; the sync sends one message per local-rank share over the uplinks
+    (``N - 1`` whole messages) and shares the gathered ones inside the node."""
+    sync = _global(collective, payload, topo, overlaps=False)
+    every_step = CommEstimate(0.0, 0.0, 0.0, overlaps=False)
+    if node_aware_numel and topo.nodes > 1 and topo.per_node > 1:
+        sync = _node_aware_demo(payload, 0, topo)
+        every_step = _node_aware_demo(0.0, node_aware_numel, topo)
+    sync = replace(sync, waits=f"in the optimizer step, every {local_steps} steps")
     per_step = replace(
         sync,
-        wire_bytes=sync.wire_bytes / local_steps,
+        wire_bytes=sync.wire_bytes / local_steps + every_step.wire_bytes,
         uplink_bytes=sync.uplink_bytes / local_steps,
-        seconds=sync.seconds / local_steps,
+        seconds=sync.seconds / local_steps + every_step.seconds,
     )
     return sync, per_step
 
