@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 from pathlib import Path
 
@@ -182,6 +184,7 @@ def _trainer_state(trainer: Trainer) -> dict[str, object]:
         "model": digest(dict(trainer.model.module.named_parameters())),
         "pending": optimizer.pending is not None,
         "step": trainer.step,
+        "applied": optimizer.updates_applied,
     }
 
 
@@ -192,12 +195,19 @@ def _trainer_runs(rank: int, data: str, root: Path) -> dict[str, object]:
     checkpoint = root / "straight" / "checkpoints" / f"step-{SAVE_AT}"
     resumed_args = _trainer_args(data, root / "resumed", "--resume-from", str(checkpoint))
     resumed = train_in_group(rank, WORLD, resumed_args, False, PER_NODE)
+    few = str(root / "few.json.gz")
+    data_end = [
+        "--data-files", few, "--eval-files", few, "--max-steps", "-1", "--batch-size", "1",
+        "--accumulation-steps", "1", "--shuffle-buffer", "0", "--checkpoint-every", "0",
+    ]  # fmt: skip
+    ends = train_in_group(rank, WORLD, _trainer_args(data, root / "ends", *data_end), True, 2)
     with safe_open(checkpoint / f"rank-{rank}.safetensors", "pt") as saved:
         in_flight = sorted(key for key in saved.keys() if "pending" in key)  # noqa: SIM118
     return {
         "straight": _trainer_state(straight),
         "resumed": _trainer_state(resumed),
         "in_flight": in_flight,
+        "data_end": _trainer_state(ends),
     }
 
 
@@ -227,6 +237,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ranks(root: Path, sample_data: Path) -> list[dict[str, object]]:
+    texts = [" ".join(["word"] * (60 + 10 * i)) for i in range(12)]
+    with gzip.open(root / "few.json.gz", "wt", encoding="utf-8") as handle:
+        handle.writelines(json.dumps({"text": text}) + "\n" for text in texts)
     return run_distributed(_worker, WORLD, str(root), str(sample_data), timeout=400)
 
 
@@ -312,12 +325,26 @@ def test_trainer_resumes_an_update_in_flight_bit_exactly(ranks: list[dict], root
     states = [result["trainer"] for result in ranks]
     assert any("rows" in key for key in states[0]["in_flight"]), "step 3 saved an update in flight"
     for state in states:
-        assert state["resumed"] == state["straight"]
+        resumed, straight = dict(state["resumed"]), dict(state["straight"])
+        assert resumed.pop("applied") == STEPS - SAVE_AT + 1, "the saved one, then one per step"
+        straight.pop("applied")
+        assert resumed == straight
         assert state["straight"]["step"] == STEPS and not state["straight"]["pending"]
     assert len({state["straight"]["model"] for state in states}) == 1, "ranks identical"
+    assert all(state["straight"]["applied"] == STEPS for state in states), "the last one too"
     straight, resumed = logged_losses(root / "straight"), logged_losses(root / "resumed")
     assert list(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     assert all(resumed[step] == straight[step] for step in resumed)
+
+
+def test_end_of_data_inside_the_delay_applies_the_last_update(ranks: list[dict]) -> None:
+    """The data runs out (max steps -1): the update in flight is applied before the final
+    checkpoint and export, so every step's update is in the model."""
+    states = [result["trainer"]["data_end"] for result in ranks]
+    assert states[0]["step"] > 1
+    for state in states:
+        assert state["applied"] == state["step"] and not state["pending"]
+    assert len({state["model"] for state in states}) == 1
 
 
 def test_assign_owners_balances_and_is_deterministic() -> None:

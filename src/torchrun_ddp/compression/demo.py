@@ -218,6 +218,8 @@ class DeMo(Optimizer):
         self.value_dtype = TOPK_VALUE_DTYPES[self.settings.value_dtype]
         self.overlap = overlap
         self.pending: InFlight | None = None
+        self.updates_applied = 0
+        """Updates this process has applied (with ``overlap``: one step behind ``step()``)."""
         trained = self._trained()
         self.codecs = {p: tile_codec(tuple(p.shape), self.settings) for p in trained}
         sizes = [self._message_bytes(self.codecs[p]) for p in trained]
@@ -285,6 +287,7 @@ class DeMo(Optimizer):
     def _apply(self, flight: InFlight) -> None:
         """Decode every parameter's gathered messages and step it with ``flight``'s rates."""
         rows_by_owner = self.exchange.finish(flight)
+        self.updates_applied += 1
         offsets = [0] * len(rows_by_owner)
         for param, (lr, decay) in zip(self._trained(), flight.lrs, strict=True):
             codec, owner = self.codecs[param], self.owners[param]
