@@ -237,7 +237,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ranks(root: Path, sample_data: Path) -> list[dict[str, object]]:
-    texts = [" ".join(["word"] * (60 + 10 * i)) for i in range(12)]
+    texts = [" ".join(["word"] * (40 + 5 * i)) for i in range(8)]
     with gzip.open(root / "few.json.gz", "wt", encoding="utf-8") as handle:
         handle.writelines(json.dumps({"text": text}) + "\n" for text in texts)
     return run_distributed(_worker, WORLD, str(root), str(sample_data), timeout=400)
