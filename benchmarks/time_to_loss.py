@@ -17,10 +17,12 @@ loss I need? Two measurements answer it, each where it can be made:
 Time to target = steps to target x step time. The table gives it per link with the speed-up over
 dense, and, when ``off`` (no limit) is one of the ``--links``, the step time the ``--dry-run``
 communication plan predicts on each limited link (its bandwidth model at the measured link rate,
-with the method's own step time on the unlimited link as its compute time); ``--png`` draws held-out loss against wall-clock seconds (each evaluation's step x the
-step time), one line per method, one panel per link. ``--end-to-end METHOD`` also trains METHOD
-on the limited link to ``--target-step`` and reports its measured wall clock next to the
-composed estimate, which checks the composition.
+with the method's own step time on the unlimited link as its compute time). DiLoCo's and
+SparseLoCo's step time is the mean over whole sync periods (``--steps`` rounded up to them), so
+that the sync counts once per ``H`` steps. ``--png`` draws held-out loss against wall-clock
+seconds (each evaluation's step x the step time), one line per method, one panel per link.
+``--end-to-end METHOD`` also trains METHOD on the limited link to ``--target-step`` and reports
+its measured wall clock next to the composed estimate, which checks the composition.
 
 Needs root (CAP_NET_ADMIN) and iproute2, as ``bandwidth.py``. Usage (repository root)::
 
@@ -108,14 +110,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def seed_curves(frontier: Path, method: str, tune_seed: int) -> list[Curve]:
-    """Held-out curves of ``method``'s frontier runs at every seed but ``tune_seed``."""
-    curves = []
+    """Held-out curves of ``method``'s frontier runs at every seed but ``tune_seed`` (the
+    measured seeds, run at the method's best learning rate only). Exits with a one-line error
+    when those runs have several learning rates (pass the tuning seed, or clean the folder)."""
+    curves, rates = [], set()
     for run in sorted(frontier.glob(f"{method}-lr*-s*-r0")):
-        seed = int(run.name.rsplit("-s", 1)[1].split("-")[0])
+        rate, seed = run.name.removeprefix(f"{method}-lr").rsplit("-s", 1)
         metrics = run / "metrics.jsonl"
-        if seed == tune_seed or not metrics.is_file():
+        if int(seed.split("-")[0]) == tune_seed or not metrics.is_file():
             continue
+        rates.add(rate)
         curves.append(dict(summarise(read_metrics(metrics)).eval_losses))
+    if len(rates) > 1:
+        sys.exit(
+            f"error: {method}'s runs in {frontier} besides seed {tune_seed} have learning rates "
+            f"{', '.join(sorted(rates))}; pass the frontier's --tune-seed"
+        )
     return curves
 
 
@@ -166,6 +176,21 @@ def run_on_link(nodes: TwoNodes, train: list[str], run_dir: Path, port: int) -> 
     return time.monotonic() - began
 
 
+def timed_steps(args: argparse.Namespace, variant: Variant) -> int:
+    """``--steps``, rounded up to whole sync periods for DiLoCo/SparseLoCo (every ``H``
+    consecutive steps hold one sync)."""
+    return math.ceil(args.steps / variant.period) * variant.period
+
+
+def step_seconds(times: list[float], warmup: int, variant: Variant) -> float:
+    """Median step time after ``warmup``; for DiLoCo/SparseLoCo the mean over whole periods,
+    so that the sync step counts once per ``H`` steps."""
+    if variant.period == 1:
+        return median_after(times, warmup)
+    timed = times[warmup:]
+    return sum(timed) / len(timed)
+
+
 @dataclass
 class Timing:
     """Median step seconds by (link, method), each link's measured rate in bit/s, and the
@@ -206,10 +231,10 @@ def time_steps(
         for variant in variants:
             port += 1
             run_dir = work / f"{spec}-{variant.name}"
-            train = timing_args(args, variant, run_dir, args.warmup + args.steps)
+            train = timing_args(args, variant, run_dir, args.warmup + timed_steps(args, variant))
             run_on_link(nodes, train, run_dir, port)
             times = summarise(read_metrics(run_dir / "metrics.jsonl")).step_times
-            timing.seconds[(spec, variant.name)] = median_after(times, args.warmup)
+            timing.seconds[(spec, variant.name)] = step_seconds(times, args.warmup, variant)
             print(f"# {spec} {variant.name}: {timing.seconds[(spec, variant.name)]:.3f} s/step",
                   file=sys.stderr, flush=True)  # fmt: skip
     return timing
@@ -264,8 +289,8 @@ def draw(
             if not curve:
                 continue
             seconds = timing.seconds[(spec, variant.name)]
-            xs = [step * seconds for step in curve]
-            axis.plot(xs, list(curve.values()), marker=".", label=variant.label)
+            points = [(step * seconds, loss) for step, loss in curve.items() if step > 0]
+            axis.plot(*zip(*points, strict=True), marker=".", label=variant.label)
         axis.axhline(target, color="grey", linestyle="--", linewidth=0.8)
         axis.set(title=f"link {spec}", xlabel="wall-clock seconds", ylabel="held-out loss")
         axis.set_xscale("log")

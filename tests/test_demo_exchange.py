@@ -133,7 +133,8 @@ def _sparseloco(rank: int, groups: NodeGroups | None) -> dict[str, object]:
 
 
 def _overlap_is_flat_one_step_late(rank: int) -> bool:
-    """Parameter-independent gradients: overlapped DeMo + flush equals flat DeMo bit for bit."""
+    """Parameter-independent gradients and a learning rate that changes every step: overlapped
+    DeMo + flush equals flat DeMo bit for bit."""
     runs = []
     for overlap in (False, True):
         params = random_parameters(SHAPES, 0)
@@ -141,6 +142,7 @@ def _overlap_is_flat_one_step_late(rank: int) -> bool:
         for step in range(STEPS):
             for param, grad in zip(params, random_gradients(SHAPES, step, rank), strict=True):
                 param.grad = grad
+            demo.param_groups[0]["lr"] = 0.05 / (1 + step)  # a delayed update keeps its own
             demo.step()
         assert demo.flush() == overlap
         runs.append(torch.cat([p.detach().reshape(-1) for p in params]))
@@ -195,6 +197,12 @@ def _trainer_runs(rank: int, data: str, root: Path) -> dict[str, object]:
     checkpoint = root / "straight" / "checkpoints" / f"step-{SAVE_AT}"
     resumed_args = _trainer_args(data, root / "resumed", "--resume-from", str(checkpoint))
     resumed = train_in_group(rank, WORLD, resumed_args, False, PER_NODE)
+    flat_args = ["--resume-from", str(checkpoint), "--compression-scope", "global"]
+    try:
+        train_in_group(rank, WORLD, _trainer_args(data, root / "flat", *flat_args), False, 2)
+        refused = ""
+    except UserError as exc:
+        refused = str(exc)
     few = str(root / "few.json.gz")
     data_end = [
         "--data-files", few, "--eval-files", few, "--max-steps", "-1", "--batch-size", "1",
@@ -208,6 +216,7 @@ def _trainer_runs(rank: int, data: str, root: Path) -> dict[str, object]:
         "resumed": _trainer_state(resumed),
         "in_flight": in_flight,
         "data_end": _trainer_state(ends),
+        "refused": refused,
     }
 
 
@@ -337,6 +346,12 @@ def test_trainer_resumes_an_update_in_flight_bit_exactly(ranks: list[dict], root
     assert all(resumed[step] == straight[step] for step in resumed)
 
 
+def test_resume_with_another_scope_is_refused_in_one_line(ranks: list[dict]) -> None:
+    for result in ranks:
+        refused = result["trainer"]["refused"]
+        assert "does not match this run: exchange" in refused and "\n" not in refused
+
+
 def test_end_of_data_inside_the_delay_applies_the_last_update(ranks: list[dict]) -> None:
     """The data runs out (max steps -1): the update in flight is applied before the final
     checkpoint and export, so every step's update is in the model."""
@@ -366,8 +381,10 @@ def test_plan_node_aware_demo_uplink_is_30x_below_dense_at_8_by_8() -> None:
     assert aware.uplink_bytes == pytest.approx(7 * payload)
     assert dense.uplink_bytes / aware.uplink_bytes >= 30
     overlapped = demo_estimate(shapes, 32, 64, torch.bfloat16, topo, True, overlap=True)
-    compute = 0.2
-    assert predicted_step_seconds(overlapped, compute) == pytest.approx(max(compute, aware.seconds))
+    compute, uplink_s = 0.2, aware.uplink_bytes * 8 / 100e9
+    inside_s = aware.seconds - uplink_s  # in the step: only the uplink's all-gather is delayed
+    expected = max(compute, uplink_s) + inside_s
+    assert predicted_step_seconds(overlapped, compute) == pytest.approx(expected)
     assert predicted_step_seconds(aware, compute) == pytest.approx(compute + aware.seconds)
 
 

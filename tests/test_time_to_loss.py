@@ -39,3 +39,11 @@ def test_steps_to_interpolates_and_says_when_never() -> None:
     assert steps_to(curve, 8.0) == 100.0
     assert math.isinf(steps_to(curve, 5.0))
     assert math.isinf(steps_to({}, 5.0))
+
+
+def test_seed_curves_refuse_several_learning_rates(tmp_path: Path) -> None:
+    _run(tmp_path, "none-lr0.003-s43-r0", {100: 7.0})
+    _run(tmp_path, "none-lr0.006-s43-r0", {100: 6.0})
+    with pytest.raises(SystemExit, match=r"learning rates 0\.003, 0\.006"):
+        seed_curves(tmp_path, "none", tune_seed=42)
+    assert len(seed_curves(tmp_path, "none", tune_seed=43)) == 0

@@ -245,6 +245,7 @@ def finish(trainer: Trainer) -> None:
     """The last evaluation and checkpoint, unless the last step already made them."""
     config, step = trainer.config, trainer.step
     optimizer = trainer.optimizer
+    flush_exchange(trainer)  # a resumed update in flight when the loop never ran
     if isinstance(optimizer, LocalUpdates) and optimizer.position:
         log.warning(
             "training ends %d steps after the last sync: the last evaluation averages the "

@@ -100,7 +100,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
     }
     if isinstance(trainer.optimizer, LocalUpdates):  # the outer state's tensors must match
         identity["outer_momentum"] = bool(trainer.optimizer.settings.outer_momentum)
-    if config.compression_scope != "global" or config.overlap_exchange:  # per-rank shares
+    if config.optimizer in ("demo", "sparseloco"):  # per-rank shares, an update in flight
         identity["exchange"] = [config.compression_scope, config.overlap_exchange]
     return identity
 
@@ -136,6 +136,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
         return
     path = Path(plan.path)
     saved = read_meta(path)
+    saved.setdefault("exchange", ["global", False])  # checkpoints from before the option
     check_compatible(saved, run_identity(trainer))
     adapt_to_world_size(trainer, saved)
     shared, sharded = shared_state(trainer), sharded_state(trainer)
@@ -153,7 +154,10 @@ def load_rank_state(trainer: Trainer, per_rank: dict[str, object], path: Path) -
     """This rank's own state from a checkpoint of this world size; a layout that does not fit
     (e.g. DeMo's per-node shares under another ranks-per-node) is a UserError."""
     for name, obj in rank_state(trainer).items():
-        try:
+        if name != "optimizer":
+            obj.load_state_dict(per_rank[name])
+            continue
+        try:  # DeMo's or SparseLoCo's share of the tensors must be this rank's
             obj.load_state_dict(per_rank[name])
         except ValueError as exc:
             raise UserError(f"cannot resume {path}: {exc}") from exc

@@ -407,7 +407,8 @@ class LocalMomentum:
             )
         rows = cast(Mapping[str, torch.Tensor], pending["rows"])
         lrs = cast(torch.Tensor, pending["lrs"]).tolist()
-        parts = [rows[str(owner)].clone() for owner in range(len(rows))]
+        device = self.optimizer._trained()[0].device  # checkpoint tensors load on the CPU
+        parts = [rows[str(owner)].to(device, copy=True) for owner in range(len(rows))]
         empty = parts[0].new_empty(0)
         flight = InFlight(empty, None, [(float(lr), float(wd)) for lr, wd in lrs], parts)
         self.optimizer.pending = flight

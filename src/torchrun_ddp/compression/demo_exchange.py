@@ -1,8 +1,8 @@
-"""How DeMo's compressed messages travel between ranks: flat, or node-aware over the uplinks.
+"""How DeMo's and SparseLoCo's compressed messages travel between ranks: flat, or node-aware.
 
 **Flat** (``--compression-scope global``): one all-gather of every rank's message over all ``W``
-ranks. A node's uplink then carries the messages of all its ``L`` ranks to the ``W - L`` ranks on
-other nodes: its bytes grow with the ranks, not with the nodes.
+ranks. A ring all-gather passes ``W - 1`` messages through every link, a node's uplink included:
+its bytes grow with the ranks, not with the nodes.
 
 **Node-aware** (``--compression-scope inter-node``): the ranks of a node first average their
 gradients over the fast intra-node links (the DDP comm hook of ``demo.register_local_gradients``),
@@ -10,8 +10,8 @@ so they all hold the node's mean gradient. The trained parameters are split amon
 local ranks (:func:`assign_owners`, balanced by message bytes); local rank ``j`` keeps the DeMo
 momentum of its share only and compresses it. Messages cross the uplinks in one all-gather among
 the ranks with local rank ``j`` (one per node, the ``inter`` group of
-``distributed.new_node_groups``), so each node sends one message per share, ``N - 1`` copies of
-the whole model's message per node and step instead of ``L (W - L)``. A second all-gather inside
+``distributed.new_node_groups``), so each node sends one message per share: its uplink carries
+``N - 1`` whole-model messages per exchange instead of ``W - 1``. A second all-gather inside
 the node then hands every rank all ``L`` shares' gathered messages, which every rank decodes the
 same way: parameters stay bit-identical on all ``W`` ranks.
 
@@ -81,9 +81,10 @@ class MessageExchange:
 
     ``lengths``: message bytes of each owner's share (one entry for the flat exchange, ``L`` for
     the node-aware one); every rank pads its message to the longest, so that all-gathers have
-    equal parts. ``counter`` is told each collective's input bytes; ``inter_node_bytes`` sums
-    the bytes this rank has sent over the inter-node group (ring model: ``(N - 1)`` parts per
-    all-gather), which over a node's ``L`` ranks is the node's uplink traffic.
+    equal parts. ``counter`` is told each collective's input bytes; ``inter_node_bytes`` (only
+    node-aware; 0 for the flat exchange) sums the bytes this rank has sent over the inter-node
+    group (ring model: ``N - 1`` parts per all-gather), which over a node's ``L`` ranks is the
+    node's uplink traffic.
     """
 
     def __init__(

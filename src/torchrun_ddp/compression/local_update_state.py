@@ -81,6 +81,13 @@ def _copy_into(targets: list[torch.Tensor], saved: object) -> None:
             target.copy_(piece)
 
 
+def _share(optimizer: LocalUpdates) -> list[int]:
+    """The tensors (positions) whose error feedback this rank keeps: all of them, or its share
+    when node-aware (``LocalUpdates.owners``)."""
+    mine = optimizer.local_rank
+    return [index for index, owner in enumerate(optimizer.owners) if owner == mine]
+
+
 class RankState:
     """A :class:`LocalUpdates`' per-rank state as per-rank checkpoint state (JSON + tensors,
     nothing pickled): the inner optimizer's ``state_dict`` (parameter positions as string keys),
@@ -105,11 +112,20 @@ class RankState:
             },
             "error_feedback": _indexed(optimizer.error),
             "local": _indexed(trained) if optimizer.position else {},
+            "share": _share(optimizer),
         }
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
-        """Restore this rank's own state, bit for bit."""
+        """Restore this rank's own state, bit for bit. Raises ``ValueError`` when the error
+        feedback was kept for another share of the tensors (node-aware SparseLoCo under another
+        ranks-per-node layout, or another --compression-scope)."""
+        saved_share = state_dict.get("share")
+        if saved_share is not None and saved_share != _share(self.optimizer):
+            raise ValueError(
+                "the saved SparseLoCo error feedback covers another share of the tensors "
+                "(another --compression-scope or ranks per node); resume with the saved layout"
+            )
         self.load_inner(state_dict)
         _copy_into(self.optimizer.error, state_dict["error_feedback"])
         local = cast(Mapping[str, torch.Tensor], state_dict["local"])

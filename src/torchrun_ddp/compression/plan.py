@@ -63,6 +63,10 @@ class CommEstimate:
     hides_behind: float = 2 / 3
     """Share of forward plus backward the communication can run during when it ``overlaps``:
     backward's 2/3 for DDP's buckets, all of the next step's compute for a delayed update."""
+    exposed_s: float = 0.0
+    """Seconds of ``seconds`` that never hide, even when it ``overlaps`` (node-aware DeMo's
+    collectives inside the node: they run in the step, only the uplink's all-gather is
+    delayed)."""
 
 
 def _value_bytes(settings: CompressionSettings) -> int:
@@ -150,7 +154,8 @@ def demo_estimate(
     if node_aware and topo.nodes > 1 and topo.per_node > 1:
         comm = _node_aware_demo(payload, sum(map(math.prod, shapes)), topo)
     if overlap:
-        return replace(comm, overlaps=True, hides_behind=1.0)
+        inside = comm.seconds - comm.uplink_bytes * 8 / topo.inter_bits_per_s if node_aware else 0
+        return replace(comm, overlaps=True, hides_behind=1.0, exposed_s=max(0.0, inside))
     return replace(comm, waits="in the optimizer step")
 
 
@@ -232,11 +237,12 @@ def predicted_step_seconds(comm: CommEstimate, compute_s: float) -> float:
     """Step time: forward plus backward (``compute_s``, backward taken as 2/3 of it, Kaplan et
     al. 2020) and the communication that does not hide behind backward. A hook that returns
     early overlaps backward: ``forward + max(backward, comm)``; a delayed update overlaps the
-    whole next step (``comm.hides_behind`` = 1): ``max(compute, comm)``; one that waits adds it
-    whole."""
+    whole next step (``comm.hides_behind`` = 1): ``max(compute, comm)``, plus what never hides
+    (``comm.exposed_s``); one that waits adds it whole."""
     hidden = compute_s * comm.hides_behind
     if comm.overlaps:
-        return compute_s - hidden + max(hidden, comm.seconds)
+        hideable = comm.seconds - comm.exposed_s
+        return compute_s - hidden + max(hidden, hideable) + comm.exposed_s
     return compute_s + comm.seconds
 
 
