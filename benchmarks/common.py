@@ -62,7 +62,8 @@ def _node_aware(variant: Variant) -> Variant:
     """``variant`` with ``--compression-scope inter-node`` (name suffix ``-node``)."""
     flags = (*variant.flags, "--compression-scope", "inter-node")
     label = f"{variant.label}, node-aware"
-    return Variant(f"{variant.name}-node", label, flags, variant.collective, "inter-node")
+    name = f"{variant.name}-node"
+    return Variant(name, label, flags, variant.collective, "inter-node", variant.period)
 
 
 def _overlapped(variant: Variant) -> Variant:
@@ -165,6 +166,7 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         *(_local("diloco", steps) for steps in (25, 50, 125)),
         _local("diloco", 125, "bfloat16"),
         *(_local("sparseloco", steps) for steps in (25, 50, 125)),
+        _node_aware(_local("sparseloco", 25)),
         _local("sparseloco", 125, topk=256),
     ]
     return {variant.name: variant for variant in variants}

@@ -146,6 +146,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--compression-start-step", type=int, default=0, help="dense steps before compressing")
     add("--no-error-feedback", action="store_true", help="turn dct/dct-topk error feedback off")
     add("--nproc", type=int, default=2, help="processes (ranks) on this machine")
+    add(
+        "--nodes",
+        type=int,
+        default=1,
+        help="simulated nodes: that many torchrun agents on loopback sharing --nproc ranks "
+        "(2 with --nproc 4: 2 nodes x 2, for the -node methods)",
+    )
     add("--repeats", type=int, default=1, help="runs per setting and seed (medians of times)")
     add("--data-dir", type=Path, default=SHARED_DATA, help="offline C4 sample and tokenizer")
     add("--work-dir", type=Path, default=None, help="run folders (default: a temporary folder)")
@@ -193,10 +200,17 @@ def train_args(
     return flags
 
 
+def recorded_args(args: argparse.Namespace, flags: list[str]) -> list[str]:
+    """What a run folder records of its launch: the ``train.py`` flags, and the node layout
+    when there are several simulated nodes."""
+    return flags if args.nodes == 1 else [*flags, "#nodes", str(args.nodes)]
+
+
 def reusable(args: argparse.Namespace, flags: list[str], run_dir: Path) -> RunSummary | None:
     """With ``--reuse``: the summary of a finished run in ``run_dir`` made with ``flags``."""
     recorded = run_dir / ARGS_FILE
-    if not args.reuse or not recorded.is_file() or json.loads(recorded.read_text()) != flags:
+    wanted = recorded_args(args, flags)
+    if not args.reuse or not recorded.is_file() or json.loads(recorded.read_text()) != wanted:
         return None
     summary = summarise(read_metrics(run_dir / "metrics.jsonl"))
     finished = len(summary.losses) == args.steps and math.isfinite(summary.eval_loss)
@@ -210,15 +224,21 @@ def run_once(args: argparse.Namespace, flags: list[str], run_dir: Path) -> RunSu
         return reused
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    (run_dir / ARGS_FILE).write_text(json.dumps(flags))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}"]
-    command += ["--nnodes=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]
+    (run_dir / ARGS_FILE).write_text(json.dumps(recorded_args(args, flags)))
+    per_node, port = args.nproc // args.nodes, free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={per_node}"]
+    command += [f"--nnodes={args.nodes}", "--rdzv_backend=c10d"]
+    command += [f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=frontier-{port}"]
     command += [str(REPO / "train.py"), *flags]
     timeout = args.timeout_s or 300.0 + 20.0 * args.steps
-    proc = start(command, run_dir / "train.log", train_env())
-    (code,) = wait_all([proc], timeout)
-    if code != 0:
-        reason = "timed out" if code is None else f"exit status {code}"
+    logs = [
+        run_dir / ("train.log" if node == 0 else f"train-node{node}.log")
+        for node in range(args.nodes)
+    ]
+    procs = [start(command, log, train_env()) for log in logs]
+    codes = wait_all(procs, timeout)
+    if any(code != 0 for code in codes):
+        reason = "timed out" if None in codes else f"exit status {codes}"
         raise RuntimeError(f"{run_dir.name}: {reason}; see {run_dir / 'train.log'}")
     return summarise(read_metrics(run_dir / "metrics.jsonl"))
 
@@ -620,10 +640,17 @@ def report(args: argparse.Namespace, settings: list[Setting]) -> tuple[str, list
     return text, points
 
 
+def check_nodes(args: argparse.Namespace) -> None:
+    """Exit with a one-line error unless --nodes divides --nproc."""
+    if args.nodes < 1 or args.nproc % args.nodes:
+        sys.exit(f"error: --nodes {args.nodes} must divide --nproc {args.nproc}")
+
+
 def main(argv: list[str]) -> int:
     """Run the benchmark and print (and optionally write) the tables; returns the exit status."""
     args = parse_args(argv)
     check_data(args.data_dir)
+    check_nodes(args)
     variants = pick_variants(args.methods, args.block_size)
     settings = [Setting(v, lr) for v in variants for lr in learning_rates(args, v)]
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-compression-"))
