@@ -252,6 +252,7 @@ def ranks(root: Path, sample_data: Path) -> list[dict[str, object]]:
     return run_distributed(_worker, WORLD, str(root), str(sample_data), timeout=400)
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_node_aware_ranks_are_bit_identical(ranks: list[dict]) -> None:
     first = ranks[0]["aware"]["params"]
     assert all(torch.equal(r["aware"]["params"], first) for r in ranks[1:])
@@ -259,6 +260,7 @@ def test_node_aware_ranks_are_bit_identical(ranks: list[dict]) -> None:
     assert not torch.equal(first, start), "the steps moved the parameters"
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_each_local_rank_owns_a_share_of_the_momentum(ranks: list[dict]) -> None:
     owned = [r["aware"]["owned"] for r in ranks]
     assert owned[0] + owned[1] == 4 and owned[0] > 0 and owned[1] > 0, "4 tensors, 2 shares"
@@ -266,6 +268,7 @@ def test_each_local_rank_owns_a_share_of_the_momentum(ranks: list[dict]) -> None
     assert all(r["flat"]["owned"] == 4 for r in ranks)
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_uplink_bytes_match_the_formula(ranks: list[dict]) -> None:
     """Per step the node's uplink carries (N - 1) x the padded share per local rank; the shares
     add up to the flat message, of which a flat ring all-gather passes W - 1 through every
@@ -279,11 +282,13 @@ def test_uplink_bytes_match_the_formula(ranks: list[dict]) -> None:
     assert flat_uplink == (WORLD - 1) * flat["padded"] > node_uplink
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_one_rank_per_node_is_flat_demo_bit_for_bit(ranks: list[dict]) -> None:
     for result in ranks:
         assert torch.equal(result["one_per_node"]["params"], result["flat"]["params"])
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_sending_everything_node_aware_equals_flat(ranks: list[dict]) -> None:
     """Top-k = tile, fp32 values, no sign: both step along the mean momentum of all 4 ranks."""
     for result in ranks:
@@ -293,10 +298,12 @@ def test_sending_everything_node_aware_equals_flat(ranks: list[dict]) -> None:
     assert float((ranks[0]["flat_all"]["params"] - start).abs().max()) > 1e-5
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_node_aware_with_top_k_is_another_algorithm(ranks: list[dict]) -> None:
     assert not torch.equal(ranks[0]["aware"]["params"], ranks[0]["flat"]["params"])
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_node_aware_sparseloco_ranks_identical_and_uplink_as_formula(ranks: list[dict]) -> None:
     """After the third sync every rank holds the same parameters; per sync the node's uplink
     carries (N - 1) x the padded share per local rank, the shares adding up to the flat
@@ -310,15 +317,18 @@ def test_node_aware_sparseloco_ranks_identical_and_uplink_as_formula(ranks: list
     assert not torch.equal(first["params"], ranks[0]["sparse_flat"]["params"]), "per-node replicas"
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_sparseloco_one_rank_per_node_is_flat_bit_for_bit(ranks: list[dict]) -> None:
     for result in ranks:
         assert torch.equal(result["sparse_one_per_node"]["params"], result["sparse_flat"]["params"])
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_overlap_is_flat_demo_one_step_late_and_flush_loses_nothing(ranks: list[dict]) -> None:
     assert all(result["overlap_late"] for result in ranks)
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_overlap_resume_with_an_update_in_flight_is_bit_exact(ranks: list[dict]) -> None:
     for result in ranks:
         assert torch.equal(
@@ -330,6 +340,7 @@ def test_overlap_resume_with_an_update_in_flight_is_bit_exact(ranks: list[dict])
     )
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_trainer_resumes_an_update_in_flight_bit_exactly(ranks: list[dict], root: Path) -> None:
     states = [result["trainer"] for result in ranks]
     assert any("rows" in key for key in states[0]["in_flight"]), "step 3 saved an update in flight"
@@ -346,12 +357,14 @@ def test_trainer_resumes_an_update_in_flight_bit_exactly(ranks: list[dict], root
     assert all(resumed[step] == straight[step] for step in resumed)
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_resume_with_another_scope_is_refused_in_one_line(ranks: list[dict]) -> None:
     for result in ranks:
         refused = result["trainer"]["refused"]
         assert "does not match this run: exchange" in refused and "\n" not in refused
 
 
+@pytest.mark.slow  # 4 spawned ranks and real trainer runs
 def test_end_of_data_inside_the_delay_applies_the_last_update(ranks: list[dict]) -> None:
     """The data runs out (max steps -1): the update in flight is applied before the final
     checkpoint and export, so every step's update is in the model."""
