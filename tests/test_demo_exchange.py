@@ -283,9 +283,13 @@ def test_uplink_bytes_match_the_formula(ranks: list[dict]) -> None:
 
 
 @pytest.mark.slow  # 4 spawned ranks and real trainer runs
-def test_one_rank_per_node_is_flat_demo_bit_for_bit(ranks: list[dict]) -> None:
+@pytest.mark.parametrize(
+    ("aware", "flat"), [("one_per_node", "flat"), ("sparse_one_per_node", "sparse_flat")]
+)
+def test_one_rank_per_node_is_flat_bit_for_bit(ranks: list[dict], aware: str, flat: str) -> None:
+    """DeMo and SparseLoCo: with one rank per node the node-aware exchange is the flat one."""
     for result in ranks:
-        assert torch.equal(result["one_per_node"]["params"], result["flat"]["params"])
+        assert torch.equal(result[aware]["params"], result[flat]["params"])
 
 
 @pytest.mark.slow  # 4 spawned ranks and real trainer runs
@@ -315,12 +319,6 @@ def test_node_aware_sparseloco_ranks_identical_and_uplink_as_formula(ranks: list
     node_uplink = sum(r["sparse_aware"]["uplink"] for r in ranks[:PER_NODE]) / syncs
     assert node_uplink == PER_NODE * (NODES - 1) * first["padded"]
     assert not torch.equal(first["params"], ranks[0]["sparse_flat"]["params"]), "per-node replicas"
-
-
-@pytest.mark.slow  # 4 spawned ranks and real trainer runs
-def test_sparseloco_one_rank_per_node_is_flat_bit_for_bit(ranks: list[dict]) -> None:
-    for result in ranks:
-        assert torch.equal(result["sparse_one_per_node"]["params"], result["sparse_flat"]["params"])
 
 
 @pytest.mark.slow  # 4 spawned ranks and real trainer runs
