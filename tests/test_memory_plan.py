@@ -30,10 +30,14 @@ from torchrun_ddp.compression.plan import (
     Topology,
     communication_table,
     estimate,
+    last_bucket_share,
+    powersgd_numel,
     predicted_step_seconds,
     state_bytes,
 )
-from torchrun_ddp.compression.wire import demo_payload_bytes
+from torchrun_ddp.compression.settings import POWERSGD_MIN_RATE
+from torchrun_ddp.compression.state import powersgd_slices
+from torchrun_ddp.compression.wire import demo_payload_bytes, wire_bytes
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
@@ -47,7 +51,12 @@ from torchrun_ddp.memory_plan import (
     plan_memory,
     zero_shard,
 )
-from torchrun_ddp.model import LoraSettings, apply_lora, trainable_parameter_sizes
+from torchrun_ddp.model import (
+    LoraSettings,
+    apply_lora,
+    load_model_config,
+    trainable_parameter_sizes,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 N = 6_738_415_616
@@ -337,7 +346,11 @@ def test_node_aware_scope_moves_fewer_bytes_over_the_uplink(sizes: list[int]) ->
     assert aware.uplink_bytes == pytest.approx(payload)
     assert aware.seconds < flat.seconds
     assert not aware.overlaps and flat.overlaps
-    assert predicted_step_seconds(flat, 3.0) == pytest.approx(1.0 + max(2.0, flat.seconds))
+    hideable = flat.seconds - flat.exposed_s  # the last DDP bucket waits for backward's end
+    assert 0 < flat.exposed_s < flat.seconds
+    assert predicted_step_seconds(flat, 3.0) == pytest.approx(
+        1.0 + max(2.0, hideable) + flat.exposed_s
+    )
     assert predicted_step_seconds(aware, 3.0) == pytest.approx(3.0 + aware.seconds)
     table = communication_table([DCT_8X], sizes, topo, 3.0)
     assert "| dct 0.25 bf16 |" in table and "8x" in table
@@ -508,3 +521,56 @@ def test_lora_flops_per_token_match_torchs_flop_counter() -> None:
     assert predicted == pytest.approx(counted, rel=0.05)
     full = model_flops_per_token(frozen, layers, hidden, 64)
     assert predicted < 0.8 * full
+
+
+def _tiny_llama_shapes() -> list[tuple[int, ...]]:
+    config = parse_config(["--model", str(REPO / "configs/tiny-models/llama/config.json")])
+    return trained_shapes(config, load_model_config(config.model))
+
+
+@pytest.mark.parametrize("cap_mb", [25.0, 0.1])
+def test_last_bucket_share_matches_ddps_bucket_assignment(cap_mb: float) -> None:
+    """DDP's own assignment (reverse parameter order, 1 MiB first bucket) puts the same share of
+    the gradient bytes in the bucket that is ready last."""
+    sizes = [math.prod(shape) for shape in _tiny_llama_shapes()]
+    order = list(reversed(range(len(sizes))))
+    buckets, _ = torch.distributed._compute_bucket_assignment_by_size(
+        [torch.empty(sizes[i]) for i in order],
+        [torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, int(cap_mb * 2**20)],
+        [False] * len(sizes),
+        order,
+    )
+    assert len(buckets) > 1
+    last = sum(sizes[i] for i in buckets[-1]) / sum(sizes)
+    assert last_bucket_share(sizes, int(cap_mb * 2**20)) == pytest.approx(last)
+
+
+def test_an_overlapping_hook_cannot_hide_its_last_bucket() -> None:
+    """Tiny LLaMA, 2 nodes x 2 at 100 Mbit/s: half its gradient bytes sit in the last bucket
+    (all but the output matrix), so half the dct exchange waits after backward."""
+    shapes = _tiny_llama_shapes()
+    sizes = [math.prod(shape) for shape in shapes]
+    comm = estimate(DCT_8X, sizes, Topology(4, 2, 1e10, 1e8), shapes)
+    share = last_bucket_share(sizes)
+    assert 0.45 < share < 0.55
+    assert comm.overlaps and comm.exposed_s == pytest.approx(comm.seconds * share)
+    compute = 0.3
+    expected = compute / 3 + max(0.2, comm.seconds - comm.exposed_s) + comm.exposed_s
+    assert predicted_step_seconds(comm, compute) == pytest.approx(expected)
+    assert predicted_step_seconds(replace(comm, exposed_s=0.0), compute) < expected
+
+
+def test_powersgd_plan_counts_the_hooks_factors_exactly() -> None:
+    """The plan's PowerSGD values equal the P and Q slices of torch's per-bucket memories
+    (``powersgd_slices``, which mirrors ``powerSGD_hook``) plus what it sends whole."""
+    shapes = [*_tiny_llama_shapes(), (8, 4, 3, 3), (3, 2)]
+    slices = powersgd_slices(shapes, list(range(len(shapes))), 4, POWERSGD_MIN_RATE)
+    compressed = {index for index, _, _ in slices[0]}
+    whole = sum(math.prod(s) for i, s in enumerate(shapes) if i not in compressed)
+    factors = sum(length for part in slices for _, _, length in part)
+    assert powersgd_numel(shapes, 4) == factors + whole
+    assert 32000 * 4 in {length for _, _, length in slices[0]}  # the embedding's P [32000, 4]
+    sizes = [math.prod(shape) for shape in shapes]
+    settings = CompressionSettings("powersgd", powersgd_rank=4)
+    exact = estimate(settings, sizes, Topology(4, 2, 1e10, 1e8), shapes)
+    assert exact.wire_bytes == pytest.approx(wire_bytes("all_reduce", (factors + whole) * 4, 4))

@@ -203,7 +203,9 @@ def communication_plan(
         f"{config.plan_tflops:g} TFLOP/s); first rows: this run's --optimizer (diloco and "
         "sparseloco: one sync, then its share of a step; DeMo k 32 next to them) or --compression"
     )
-    return "\n".join([header, communication_table(methods, sizes, topo, compute_s, first)])
+    bucket = config.ddp_bucket_cap_mb * 2**20
+    table = communication_table(methods, sizes, topo, compute_s, first, shapes, bucket)
+    return "\n".join([header, table])
 
 
 def optimizer_rows(
@@ -245,7 +247,8 @@ def run_estimate(
     DiLoCo's / SparseLoCo's sync shared over its --local-steps (benchmarks compare it with
     measured step times)."""
     if config.optimizer == "adamw":
-        return estimate(compression_settings(config), [math.prod(s) for s in shapes], topo)
+        sizes, bucket = [math.prod(s) for s in shapes], config.ddp_bucket_cap_mb * 2**20
+        return estimate(compression_settings(config), sizes, topo, shapes, bucket)
     rows = optimizer_rows(config, shapes, topo)
     return rows[0][1] if config.optimizer == "demo" else rows[1][1]
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from torchrun_ddp.compression.settings import (
+    POWERSGD_MIN_RATE,
     TOPK_VALUE_DTYPES,
     CompressionSettings,
     keeps_residual,
@@ -27,6 +28,10 @@ from torchrun_ddp.compression.settings import (
 from torchrun_ddp.compression.wire import demo_payload_bytes, topk_payload_bytes, wire_bytes
 
 FP32 = 4
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""DDP's cap on its first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB)."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP's default ``bucket_cap_mb`` (25 MiB) in bytes."""
 
 
 @dataclass(frozen=True)
@@ -64,16 +69,19 @@ class CommEstimate:
     """Share of forward plus backward the communication can run during when it ``overlaps``:
     backward's 2/3 for DDP's buckets, all of the next step's compute for a delayed update."""
     exposed_s: float = 0.0
-    """Seconds of ``seconds`` that never hide, even when it ``overlaps`` (node-aware DeMo's
-    collectives inside the node: they run in the step, only the uplink's all-gather is
-    delayed)."""
+    """Seconds of ``seconds`` that never hide, even when it ``overlaps``: a comm hook's share
+    for DDP's last bucket, ready only when backward ends (:func:`last_bucket_share`), or
+    node-aware DeMo's collectives inside the node (they run in the step, only the uplink's
+    all-gather is delayed)."""
 
 
 def _value_bytes(settings: CompressionSettings) -> int:
     return 2 if settings.method in ("fp16", "bf16") else 4
 
 
-def _payload(settings: CompressionSettings, sizes: Sequence[int]) -> tuple[str, float, int]:
+def _payload(
+    settings: CompressionSettings, sizes: Sequence[int], shapes: Sequence[tuple[int, ...]] = ()
+) -> tuple[str, float, int]:
     """(collective, bytes handed to it per step, bytes per value) for the global scope."""
     method = settings.method
     numel = sum(sizes)
@@ -89,15 +97,17 @@ def _payload(settings: CompressionSettings, sizes: Sequence[int]) -> tuple[str, 
             0,
         )
     if method == "powersgd":
-        return "all_reduce", _powersgd_numel(sizes, settings.powersgd_rank) * FP32, FP32
+        rank = settings.powersgd_rank
+        values = powersgd_numel(shapes, rank) if shapes else _powersgd_numel(sizes, rank)
+        return "all_reduce", values * FP32, FP32
     width = _value_bytes(settings)
     return "all_reduce", numel * width, width
 
 
 def _powersgd_numel(sizes: Sequence[int], rank: int) -> int:
     """Values PowerSGD all-reduces, approximating every tensor as square-ish (n = sqrt(numel)):
-    P and Q of ``rank`` columns for matrices it compresses, the rest dense. Only an estimate:
-    the plan does not know the shapes."""
+    P and Q of ``rank`` columns for matrices it compresses, the rest dense. Only an estimate,
+    for callers without the shapes (:func:`powersgd_numel` counts them exactly)."""
     total = 0
     for size in sizes:
         side = math.isqrt(size)
@@ -106,9 +116,54 @@ def _powersgd_numel(sizes: Sequence[int], rank: int) -> int:
     return total
 
 
-def estimate(settings: CompressionSettings, sizes: Sequence[int], topo: Topology) -> CommEstimate:
-    """Wire bytes and link time of one step of ``settings`` for parameters of ``sizes``."""
-    collective, payload, value = _payload(settings, sizes)
+def powersgd_numel(shapes: Sequence[tuple[int, ...]], rank: int) -> int:
+    """Values torch's ``powerSGD_hook`` all-reduces per step for parameters of ``shapes``: a
+    tensor viewed as ``[n, m]`` (``n = shape[0]``) with ``r = min(n, m, rank)`` sends P
+    ``[n, r]`` and Q ``[m, r]`` when ``(n + m) r * min_compression_rate < n m``
+    (``POWERSGD_MIN_RATE``), else all of it, as does every 1-D tensor. Vogels et al. 2019,
+    arXiv:1905.13727; the rule is the hook's own."""
+    total = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if len(shape) < 2 or not numel:
+            total += numel
+            continue
+        n, m = shape[0], numel // shape[0]
+        r = min(n, m, rank)
+        total += (n + m) * r if (n + m) * r * POWERSGD_MIN_RATE < n * m else numel
+    return total
+
+
+def last_bucket_share(sizes: Sequence[int], bucket_bytes: float = DDP_BUCKET_BYTES) -> float:
+    """Share of the fp32 gradient bytes in DDP's last bucket, the one ready only when backward
+    ends, so that its communication cannot hide behind backward.
+
+    DDP fills buckets in reverse order of the parameters (``sizes``: element counts in
+    ``model.parameters()`` order), closing a bucket once it holds ``bucket_bytes`` or more
+    (the first one at 1 MiB); the last bucket holds what is left of the first parameters.
+    ``torch.distributed`` docs, DistributedDataParallel ``bucket_cap_mb``."""
+    total = sum(sizes) * FP32
+    if not total:
+        return 0.0
+    cap, filled, closed = DDP_FIRST_BUCKET_BYTES, 0.0, 0.0
+    for size in reversed(sizes):
+        filled += size * FP32
+        if filled >= cap:
+            cap, filled, closed = bucket_bytes, 0.0, filled
+    return (filled or closed) / total
+
+
+def estimate(
+    settings: CompressionSettings,
+    sizes: Sequence[int],
+    topo: Topology,
+    shapes: Sequence[tuple[int, ...]] = (),
+    bucket_bytes: float = DDP_BUCKET_BYTES,
+) -> CommEstimate:
+    """Wire bytes and link time of one step of ``settings`` for parameters of ``sizes`` (element
+    counts in ``model.parameters()`` order; ``shapes``, when given, count PowerSGD's factors
+    exactly), with DDP buckets of ``bucket_bytes``."""
+    collective, payload, value = _payload(settings, sizes, shapes)
     per_node, nodes = topo.per_node, topo.nodes
     if settings.scope == "inter-node" and nodes > 1 and per_node > 1:
         fp32_payload = payload / value * FP32
@@ -118,7 +173,10 @@ def estimate(settings: CompressionSettings, sizes: Sequence[int], topo: Topology
         uplink = between * per_node
         seconds = inside * 8 / topo.intra_bits_per_s + uplink * 8 / topo.inter_bits_per_s
         return CommEstimate(inside + between, uplink, seconds, overlaps=False)
-    return _global(collective, payload, topo, overlaps=settings.method != "powersgd")
+    comm = _global(collective, payload, topo, overlaps=settings.method != "powersgd")
+    if not comm.overlaps:
+        return comm
+    return replace(comm, exposed_s=comm.seconds * last_bucket_share(sizes, bucket_bytes))
 
 
 def _global(collective: str, payload: float, topo: Topology, overlaps: bool) -> CommEstimate:
@@ -292,6 +350,8 @@ def communication_table(
     topo: Topology,
     compute_s: float,
     first: Sequence[tuple[str, CommEstimate]] = (),
+    shapes: Sequence[tuple[int, ...]] = (),
+    bucket_bytes: float = DDP_BUCKET_BYTES,
 ) -> str:
     """Markdown table, one row per method (``first``: named rows above them, such as DeMo's
     :func:`demo_estimate` or :func:`local_update_estimates`): wire bytes per rank per step,
@@ -299,10 +359,13 @@ def communication_table(
     whether it hides behind backward (``compute_s * 2 / 3``) and the predicted step time. Two
     ratios against a dense fp32 ring all-reduce: of the wire bytes on all links, and of the
     bytes over a node's uplink (``-`` on one node), the one that matters on slow links between
-    nodes."""
-    dense = estimate(CompressionSettings("none"), sizes, topo)
+    nodes. ``shapes`` and ``bucket_bytes`` as for :func:`estimate`."""
+    dense = estimate(CompressionSettings("none"), sizes, topo, shapes, bucket_bytes)
     rows = list(first)
-    rows += [(label(settings), estimate(settings, sizes, topo)) for settings in methods]
+    rows += [
+        (label(settings), estimate(settings, sizes, topo, shapes, bucket_bytes))
+        for settings in methods
+    ]
     lines = [
         "| method | wire MB/rank/step | uplink MB/step | ratio (wire) | ratio (uplink) | comm s "
         "| hides behind backward | step s |",
