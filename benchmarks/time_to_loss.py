@@ -4,8 +4,10 @@ The question of a user with a few nodes on a slow link: how much sooner does a m
 loss I need? Two measurements answer it, each where it can be made:
 
 1. **Steps to the target** come from the seeded frontier runs of ``benchmarks/compression.py``
-   (``--frontier-dir``: its ``--work-dir``). The target is dense AdamW's (``none``) mean held-out
-   loss over the measured seeds at ``--target-step``; a method's steps to it are where its mean
+   (``--frontier-dir``: its ``--work-dir``; give it again for another folder, such as runs laid
+   out as 2 nodes x 2 ranks for the node-aware methods, whose held-out set differs). The target
+   is dense AdamW's (``none``) mean held-out loss over the measured seeds at ``--target-step`` in
+   the method's folder (the first that has runs of it); a method's steps to it are where its mean
    held-out curve over the same seeds first reaches it (linear between evaluations), or
    "not reached" within its run.
 2. **Step time** on the link comes from short runs of every method in the two network
@@ -21,8 +23,14 @@ with the method's own step time on the unlimited link as its compute time). DiLo
 SparseLoCo's step time is the mean over whole sync periods (``--steps`` rounded up to them), so
 that the sync counts once per ``H`` steps. ``--png`` draws held-out loss against wall-clock
 seconds (each evaluation's step x the step time), one line per method, one panel per link.
-``--end-to-end METHOD`` also trains METHOD on the limited link to ``--target-step`` and reports
-its measured wall clock next to the composed estimate, which checks the composition.
+``--end-to-end METHOD`` also runs METHOD's frontier run of ``--end-to-end-seed`` again, with its
+recorded ``train.py`` arguments, on the first limited link; that run must have been laid out as
+2 nodes (``compression.py --nodes 2``) like the namespaces. It reports the seconds of steps the
+run needed to reach the target on the link next to the composed estimate (that seed's steps to
+the target x the measured step time), and how far its held-out losses moved from the frontier
+run's, which checks the composition. ``--reuse`` keeps timing runs already in the work folder
+that were made with identical arguments (the link is probed again), so that the table can be
+composed again when more frontier runs have finished.
 
 Needs root (CAP_NET_ADMIN) and iproute2, as ``bandwidth.py``. Usage (repository root)::
 
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import itertools
+import json
 import math
 import signal
 import sys
@@ -72,6 +81,7 @@ from common import (
     train_env,
     wait_all,
 )
+from compression import ARGS_FILE
 
 from torchrun_ddp.compression.plan import Topology, predicted_step_seconds
 from torchrun_ddp.config_io import parse_config
@@ -89,7 +99,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--frontier-dir", type=Path, required=True, help="compression.py --work-dir")
+    add(
+        "--frontier-dir",
+        type=Path,
+        action="append",
+        required=True,
+        help="compression.py --work-dir (repeat: each method from the first with its runs)",
+    )
     add("--tune-seed", type=int, default=42, help="the frontier's tuning seed (left out)")
     add("--target-step", type=int, default=1000, help="dense AdamW's loss at this step: target")
     add("--methods", default="none,demo-32,diloco-h50,sparseloco-h25", help="comma list")
@@ -101,7 +117,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--model", default="configs/tiny-models/llama/config.json", help="the frontier's model")
     add("--steps", type=int, default=8, help="timed steps per timing run, after the warm-up")
     add("--warmup", type=int, default=3, help="untimed first steps of every timing run")
-    add("--end-to-end", default="", help="also train this method on the first link to target")
+    add("--end-to-end", default="", help="also rerun this method's frontier run on the first link")
+    add("--end-to-end-seed", type=int, default=43, help="the seed of that frontier run")
+    add("--reuse", action="store_true", help="keep timing runs made with identical arguments")
     add("--data-dir", type=Path, default=SHARED_DATA, help="offline C4 sample and tokenizer")
     add("--subnet", default="10.77.0", help="first three octets of the two veth addresses")
     add("--out", type=Path, default=None, help="also write the table to this file")
@@ -109,18 +127,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def seed_curves(frontier: Path, method: str, tune_seed: int) -> list[Curve]:
-    """Held-out curves of ``method``'s frontier runs at every seed but ``tune_seed`` (the
+def seed_curves(frontier: Path, method: str, tune_seed: int) -> dict[int, Curve]:
+    """Held-out curves of ``method``'s frontier runs by seed, every seed but ``tune_seed`` (the
     measured seeds, run at the method's best learning rate only). Exits with a one-line error
     when those runs have several learning rates (pass the tuning seed, or clean the folder)."""
-    curves, rates = [], set()
+    curves, rates = {}, set()
     for run in sorted(frontier.glob(f"{method}-lr*-s*-r0")):
         rate, seed = run.name.removeprefix(f"{method}-lr").rsplit("-s", 1)
         metrics = run / "metrics.jsonl"
         if int(seed.split("-")[0]) == tune_seed or not metrics.is_file():
             continue
         rates.add(rate)
-        curves.append(dict(summarise(read_metrics(metrics)).eval_losses))
+        curves[int(seed.split("-")[0])] = dict(summarise(read_metrics(metrics)).eval_losses)
     if len(rates) > 1:
         sys.exit(
             f"error: {method}'s runs in {frontier} besides seed {tune_seed} have learning rates "
@@ -135,6 +153,41 @@ def mean_curve(curves: list[Curve]) -> Curve:
         return {}
     steps = sorted(set.intersection(*(set(curve) for curve in curves)))
     return {step: sum(curve[step] for curve in curves) / len(curves) for step in steps}
+
+
+@dataclass(frozen=True)
+class Curves:
+    """Each method's mean held-out curve over its seeds, the frontier folder it came from, its
+    seeds, and its target: dense AdamW's mean held-out loss at ``--target-step`` in that folder
+    over the same seeds (a method run at fewer seeds is compared with dense at those)."""
+
+    by_method: dict[str, Curve]
+    folder: dict[str, Path]
+    seeds: dict[str, list[int]]
+    targets: dict[str, float]
+
+    def target(self, method: str) -> float:
+        """``method``'s target (nan for a method without frontier runs)."""
+        return self.targets.get(method, math.nan)
+
+
+def load_curves(args: argparse.Namespace, variants: list[Variant]) -> Curves:
+    """Every method's curves from the first ``--frontier-dir`` with its runs, at the seeds
+    dense also has there; exits with a one-line error when that folder has no dense held-out
+    loss at ``--target-step`` at those seeds."""
+    curves = Curves({}, {}, {}, {})
+    for variant in variants:
+        for path in args.frontier_dir:
+            runs = seed_curves(path, variant.name, args.tune_seed)
+            if not runs:
+                continue
+            dense = seed_curves(path, "none", args.tune_seed)
+            seeds = sorted(set(runs) & set(dense))
+            curves.folder[variant.name], curves.seeds[variant.name] = path, seeds
+            curves.by_method[variant.name] = mean_curve([runs[seed] for seed in seeds])
+            curves.targets[variant.name] = dense_target(args, path, [dense[s] for s in seeds])
+            break
+    return curves
 
 
 def steps_to(curve: Curve, target: float) -> float:
@@ -220,6 +273,26 @@ def predict(args: argparse.Namespace, variants: list[Variant], timing: Timing) -
             timing.predicted[(spec, variant.name)] = predicted_step_seconds(comm, compute_s)
 
 
+def recorded(run_dir: Path, train: list[str]) -> bool:
+    """Whether ``run_dir`` holds a finished run made with the ``train.py`` arguments ``train``."""
+    saved = run_dir / ARGS_FILE
+    finished = (run_dir / "metrics.jsonl").is_file() and saved.is_file()
+    return finished and json.loads(saved.read_text()) == train
+
+
+def timed_run(
+    args: argparse.Namespace, nodes: TwoNodes, variant: Variant, run_dir: Path, port: int
+) -> float:
+    """Median step seconds of a short run of ``variant`` on the link as shaped now (with
+    ``--reuse``, of the run already in ``run_dir`` when it was made with identical arguments)."""
+    train = timing_args(args, variant, run_dir, args.warmup + timed_steps(args, variant))
+    if not (args.reuse and recorded(run_dir, train)):
+        run_on_link(nodes, train, run_dir, port)
+        (run_dir / ARGS_FILE).write_text(json.dumps(train))
+    times = summarise(read_metrics(run_dir / "metrics.jsonl")).step_times
+    return step_seconds(times, args.warmup, variant)
+
+
 def time_steps(
     args: argparse.Namespace, nodes: TwoNodes, variants: list[Variant], work: Path
 ) -> Timing:
@@ -230,27 +303,25 @@ def time_steps(
         timing.measured[spec] = probe_link(nodes, rate_bits(spec))
         for variant in variants:
             port += 1
-            run_dir = work / f"{spec}-{variant.name}"
-            train = timing_args(args, variant, run_dir, args.warmup + timed_steps(args, variant))
-            run_on_link(nodes, train, run_dir, port)
-            times = summarise(read_metrics(run_dir / "metrics.jsonl")).step_times
-            timing.seconds[(spec, variant.name)] = step_seconds(times, args.warmup, variant)
-            print(f"# {spec} {variant.name}: {timing.seconds[(spec, variant.name)]:.3f} s/step",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            seconds = timed_run(args, nodes, variant, work / f"{spec}-{variant.name}", port)
+            timing.seconds[(spec, variant.name)] = seconds
+            print(f"# {spec} {variant.name}: {seconds:.3f} s/step", file=sys.stderr, flush=True)
     return timing
 
 
-def table(variants: list[Variant], curves: dict[str, Curve], target: float, timing: Timing) -> str:
+def table(variants: list[Variant], curves: Curves, timing: Timing) -> str:
     """Markdown: steps to the target, and per link step time, time to target and speed-up."""
-    header = ["method", "steps to target"]
+    header = ["method", "target (seeds)", "steps to target"]
     for spec in timing.measured:
         header += [f"step s @ {spec}", f"time to target s @ {spec}", f"vs dense @ {spec}"]
         header += [f"predicted step s @ {spec}"] if timing.predicted and spec != "off" else []
-    dense_steps = steps_to(curves.get("none", {}), target)
+    dense_steps = steps_to(curves.by_method.get("none", {}), curves.target("none"))
     rows = []
     for variant in variants:
-        steps = steps_to(curves[variant.name], target) if curves.get(variant.name) else math.nan
-        row = [variant.label, "no frontier runs" if math.isnan(steps) else _steps(steps)]
+        curve = curves.by_method.get(variant.name)
+        steps = steps_to(curve, curves.target(variant.name)) if curve else math.nan
+        row = [variant.label, _target(curves, variant.name)]
+        row += ["no frontier runs" if math.isnan(steps) else _steps(steps)]
         for spec in timing.measured:
             seconds = timing.seconds[(spec, variant.name)]
             total = steps * seconds
@@ -261,6 +332,24 @@ def table(variants: list[Variant], curves: dict[str, Curve], target: float, timi
                 row.append(f"{predicted:.3f} ({100 * (predicted / seconds - 1):+.0f}%)")
         rows.append(row)
     return markdown_table(header, rows)
+
+
+def targets_line(args: argparse.Namespace, curves: Curves) -> str:
+    """Each method's target, seeds and frontier folder."""
+    parts = []
+    for name, target in curves.targets.items():
+        seeds = ", ".join(map(str, curves.seeds[name]))
+        parts.append(f"{name} {target:.4f} (seeds {seeds}; {curves.folder[name]})")
+    return (
+        f"Targets, dense AdamW's mean held-out loss at step {args.target_step} over each "
+        "method's seeds in its folder: " + "; ".join(parts) + "."
+    )
+
+
+def _target(curves: Curves, method: str) -> str:
+    if method not in curves.targets:
+        return "-"
+    return f"{curves.targets[method]:.4f} ({', '.join(map(str, curves.seeds[method]))})"
 
 
 def _steps(steps: float) -> str:
@@ -277,21 +366,21 @@ def _speedup(dense: float, total: float) -> str:
     return f"{dense / total:.2f}x"
 
 
-def draw(
-    path: Path, variants: list[Variant], curves: dict[str, Curve], timing: Timing, target: float
-) -> None:
-    """Held-out loss against wall-clock seconds, one line per method, one panel per link."""
+def draw(path: Path, variants: list[Variant], curves: Curves, timing: Timing) -> None:
+    """Held-out loss against wall-clock seconds, one line per method, one panel per link, and
+    a dashed line at each folder's target."""
     links = list(timing.measured)
     figure, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.5), squeeze=False)
     for axis, spec in zip(axes[0], links, strict=True):
         for variant in variants:
-            curve = curves.get(variant.name)
+            curve = curves.by_method.get(variant.name)
             if not curve:
                 continue
             seconds = timing.seconds[(spec, variant.name)]
             points = [(step * seconds, loss) for step, loss in curve.items() if step > 0]
             axis.plot(*zip(*points, strict=True), marker=".", label=variant.label)
-        axis.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+        for target in sorted({round(t, 4) for t in curves.targets.values()}):
+            axis.axhline(target, color="grey", linestyle="--", linewidth=0.8)
         axis.set(title=f"link {spec}", xlabel="wall-clock seconds", ylabel="held-out loss")
         axis.set_xscale("log")
         axis.legend(fontsize=7)
@@ -300,36 +389,91 @@ def draw(
     plt.close(figure)
 
 
-def end_to_end(args: argparse.Namespace, nodes: TwoNodes, variant: Variant, work: Path) -> str:
-    """Train ``variant`` on the first link to ``--target-step``; its wall clock and step time."""
+def frontier_run(curves: Curves, method: str, seed: int) -> Path:
+    """The folder of ``method``'s frontier run at ``seed``; exits with a one-line error when
+    there is none (or several)."""
+    folder = curves.folder.get(method)
+    runs = sorted(folder.glob(f"{method}-lr*-s{seed}-r0")) if folder else []
+    if len(runs) != 1 or not (runs[0] / ARGS_FILE).is_file():
+        sys.exit(
+            f"error: --end-to-end {method} needs exactly one frontier run of it at seed {seed} "
+            f"with recorded arguments; found {len(runs)} (set --end-to-end-seed)"
+        )
+    return runs[0]
+
+
+def rerun_args(source: Path, output: Path) -> list[str]:
+    """The recorded ``train.py`` arguments of the frontier run in ``source``, writing to
+    ``output``, one thread per rank; exits with a one-line error unless it ran as 2 nodes."""
+    flags = json.loads((source / ARGS_FILE).read_text())
+    if flags[-2:] != ["#nodes", "2"]:
+        sys.exit(
+            f"error: the frontier run {source} was not laid out as 2 nodes; run "
+            "benchmarks/compression.py with --nodes 2 and --nproc 2 x --procs-per-node"
+        )
+    flags = flags[:-2]
+    flags[flags.index("--output-dir") + 1] = str(output)
+    return [*flags, "--threads", "1", "--timeout-s", "600"]
+
+
+def seconds_at(times: list[float], step: float) -> float:
+    """Seconds of steps until fractional ``step`` (``times[i]``: step i + 1); inf if never."""
+    whole = int(step) if math.isfinite(step) else len(times)
+    if whole >= len(times):
+        return math.inf if step > len(times) else sum(times)
+    return sum(times[:whole]) + (step - whole) * times[whole]
+
+
+def end_to_end(
+    args: argparse.Namespace,
+    nodes: TwoNodes,
+    variant: Variant,
+    work: Path,
+    curves: Curves,
+    step_s: float,
+) -> str:
+    """Run ``variant``'s frontier run of ``--end-to-end-seed`` again on the first link; compare
+    its seconds to the target with the composed estimate (that seed's steps x ``step_s``)."""
     spec = next(s.strip() for s in args.links.split(",") if s.strip())
+    source = frontier_run(curves, variant.name, args.end_to_end_seed)
+    run_dir = work / f"end-to-end-{source.name}"
+    train = rerun_args(source, run_dir)
     nodes.shape(rate_bits(spec), args.rtt_ms)
-    run_dir = work / f"end-to-end-{variant.name}"
-    wall = run_on_link(
-        nodes, timing_args(args, variant, run_dir, args.target_step), run_dir, RDZV_PORT + 500
-    )
-    times = summarise(read_metrics(run_dir / "metrics.jsonl")).step_times
+    if not (args.reuse and recorded(run_dir, train)):
+        run_on_link(nodes, train, run_dir, RDZV_PORT + 500)
+        (run_dir / ARGS_FILE).write_text(json.dumps(train))
+    own, theirs = (summarise(read_metrics(d / "metrics.jsonl")) for d in (run_dir, source))
+    target = curves.target(variant.name)
+    step, reference = steps_to(dict(own.eval_losses), target), dict(theirs.eval_losses)
+    measured = seconds_at(own.step_times, step)
+    composed = steps_to(reference, target) * step_s
+    drift = max(abs(loss - reference[s]) for s, loss in own.eval_losses if s in reference)
     return (
-        f"End to end: {variant.label}, {args.target_step} steps on {spec}: {wall:.0f} s wall "
-        f"clock (start-up included), {sum(times):.0f} s in steps, median step "
-        f"{median_after(times, args.warmup):.3f} s."
+        f"End to end: {variant.label}, seed {args.end_to_end_seed}, on {spec}: the held-out "
+        f"loss reached the target ({target:.4f}) at step {_steps(step)} after {measured:.0f} s "
+        f"of steps (median step {median_after(own.step_times, args.warmup):.3f} s); composed "
+        f"estimate {_steps(steps_to(reference, target))} steps x {step_s:.3f} s = "
+        f"{composed:.0f} s ({100 * (measured / composed - 1):+.0f}%); largest held-out loss "
+        f"difference from the frontier run: {drift:.2e}."
     )
 
 
-def dense_target(args: argparse.Namespace, curves: dict[str, Curve]) -> float:
-    """Dense AdamW's mean held-out loss at ``--target-step``; exits with a one-line error when
-    the frontier has no such evaluation."""
-    dense = curves.get("none") or {}
-    if args.target_step in dense:
-        return dense[args.target_step]
+def dense_target(args: argparse.Namespace, folder: Path, dense: list[Curve]) -> float:
+    """Dense AdamW's mean held-out loss at ``--target-step`` over the curves ``dense`` (of
+    ``folder``); exits with a one-line error when they have no such evaluation."""
+    mean = mean_curve(dense)
+    if args.target_step in mean:
+        return mean[args.target_step]
     sys.exit(
-        f"error: no dense (none) held-out loss at step {args.target_step} in "
-        f"{args.frontier_dir}; run benchmarks/compression.py with none and an --eval-every "
-        "that divides it"
+        f"error: no dense (none) held-out loss at step {args.target_step} in {folder} at the "
+        "seeds of the other method; run benchmarks/compression.py there with none at those "
+        "seeds and an --eval-every that divides it"
     )
 
 
-def measure(args: argparse.Namespace, variants: list[Variant], work: Path) -> tuple[Timing, str]:
+def measure(
+    args: argparse.Namespace, variants: list[Variant], work: Path, curves: Curves
+) -> tuple[Timing, str]:
     """Create the namespaces, time every method (and the end-to-end run), remove them."""
     nodes = TwoNodes(args.subnet, args.procs_per_node)
     atexit.register(nodes.destroy)
@@ -339,33 +483,39 @@ def measure(args: argparse.Namespace, variants: list[Variant], work: Path) -> tu
         timing = time_steps(args, nodes, variants, work)
         if not args.end_to_end:
             return timing, ""
-        return timing, end_to_end(args, nodes, pick_variants(args.end_to_end, 64)[0], work)
+        spec = next(iter(timing.measured))
+        step_s = timing.seconds[(spec, args.end_to_end)]
+        variant = next(v for v in variants if v.name == args.end_to_end)
+        return timing, end_to_end(args, nodes, variant, work, curves, step_s)
     finally:
         nodes.destroy()
+
+
+def check_args(args: argparse.Namespace, variants: list[Variant]) -> None:
+    """Exit with a one-line error for an end-to-end method that is not timed."""
+    if args.end_to_end and args.end_to_end not in {v.name for v in variants}:
+        sys.exit(f"error: --end-to-end {args.end_to_end} must be one of --methods")
 
 
 def main(argv: list[str]) -> int:
     """Read the frontier curves, time every method on every link, print the table."""
     args = parse_args(argv)
     variants = pick_variants(args.methods, 64)
-    curves = {
-        v.name: mean_curve(seed_curves(args.frontier_dir, v.name, args.tune_seed)) for v in variants
-    }
-    target = dense_target(args, curves)
+    check_args(args, variants)
+    curves = load_curves(args, variants)
     try:
-        timing, extra = measure(args, variants, args.frontier_dir / "time-to-loss")
+        timing, extra = measure(args, variants, args.frontier_dir[0] / "time-to-loss", curves)
     except (SetupError, RuntimeError) as exc:
         print(f"time-to-loss benchmark: {exc}", file=sys.stderr)
         return 1
     predict(args, variants, timing)
-    text = table(variants, curves, target, timing)
-    text += f"\n\nTarget: dense AdamW's mean held-out loss at step {args.target_step}: "
-    text += f"{target:.4f}.\n" + (f"{extra}\n" if extra else "")
+    text = table(variants, curves, timing) + "\n\n" + targets_line(args, curves) + "\n"
+    text += f"{extra}\n" if extra else ""
     print(text)
     if args.out:
         args.out.write_text(text)
     if args.png:
-        draw(args.png, variants, curves, timing, target)
+        draw(args.png, variants, curves, timing)
     return 0
 
 

@@ -1,7 +1,9 @@
-"""benchmarks/time_to_loss.py's arithmetic: seeds' mean held-out curve, steps to a target."""
+"""benchmarks/time_to_loss.py's arithmetic: seeds' mean held-out curve, steps to a target,
+per-folder targets, and the arguments of the end-to-end rerun."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -11,7 +13,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from time_to_loss import mean_curve, seed_curves, steps_to
+from common import pick_variants
+from time_to_loss import (
+    load_curves,
+    mean_curve,
+    rerun_args,
+    seconds_at,
+    seed_curves,
+    steps_to,
+)
 
 
 def _run(root: Path, name: str, curve: dict[int, float]) -> None:
@@ -28,8 +38,8 @@ def test_seed_curves_leave_out_the_tuning_seed_and_average(tmp_path: Path) -> No
     _run(tmp_path, "demo-32-lr0.01-s44-r0", {100: 6.0, 200: 4.0})
     _run(tmp_path, "demo-32-overlap-lr0.01-s43-r0", {100: 0.0})
     curves = seed_curves(tmp_path, "demo-32", tune_seed=42)
-    assert len(curves) == 2
-    assert mean_curve(curves) == {100: 7.0, 200: 5.0}
+    assert sorted(curves) == [43, 44]
+    assert mean_curve(list(curves.values())) == {100: 7.0, 200: 5.0}
 
 
 def test_steps_to_interpolates_and_says_when_never() -> None:
@@ -47,3 +57,56 @@ def test_seed_curves_refuse_several_learning_rates(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"learning rates 0\.003, 0\.006"):
         seed_curves(tmp_path, "none", tune_seed=42)
     assert len(seed_curves(tmp_path, "none", tune_seed=43)) == 0
+
+
+def _args(*folders: Path, target_step: int = 200) -> argparse.Namespace:
+    return argparse.Namespace(frontier_dir=list(folders), tune_seed=42, target_step=target_step)
+
+
+def test_each_method_takes_the_target_of_the_first_folder_with_its_runs(tmp_path: Path) -> None:
+    flat, nodes = tmp_path / "flat", tmp_path / "nodes"
+    flat.mkdir(), nodes.mkdir()
+    _run(flat, "none-lr0.003-s43-r0", {100: 7.0, 200: 6.0})
+    _run(flat, "demo-32-lr0.003-s43-r0", {100: 6.5, 200: 5.9})
+    _run(nodes, "none-lr0.003-s43-r0", {100: 7.2, 200: 6.2})
+    _run(nodes, "demo-32-lr0.003-s43-r0", {100: 0.0, 200: 0.0})  # shadowed by flat's
+    _run(nodes, "demo-32-node-lr0.003-s43-r0", {100: 6.6, 200: 6.1})
+    _run(flat, "none-lr0.003-s44-r0", {100: 7.0, 200: 6.4})
+    _run(flat, "bf16-lr0.003-s44-r0", {100: 7.0, 200: 6.3})
+    variants = pick_variants("none,demo-32,demo-32-node,bf16,dct-0.25-bf16", 64)
+    curves = load_curves(_args(flat, nodes), variants)
+    assert curves.folder == {"none": flat, "demo-32": flat, "demo-32-node": nodes, "bf16": flat}
+    assert curves.seeds == {"none": [43, 44], "demo-32": [43], "demo-32-node": [43], "bf16": [44]}
+    # each method against dense at its own seeds: bf16 ran only seed 44
+    assert curves.targets == pytest.approx(
+        {"none": 6.2, "demo-32": 6.0, "demo-32-node": 6.2, "bf16": 6.4}
+    )
+    assert curves.by_method["demo-32"] == {100: 6.5, 200: 5.9}
+    assert steps_to(curves.by_method["demo-32-node"], curves.target("demo-32-node")) < 200
+    assert math.isnan(curves.target("dct-0.25-bf16"))
+
+
+def test_a_folder_without_dense_at_the_target_step_is_refused(tmp_path: Path) -> None:
+    _run(tmp_path, "none-lr0.003-s43-r0", {100: 7.0, 200: 6.0})
+    _run(tmp_path, "bf16-lr0.003-s43-r0", {100: 7.0, 200: 6.0})
+    with pytest.raises(SystemExit, match="no dense \\(none\\) held-out loss at step 300"):
+        load_curves(_args(tmp_path, target_step=300), pick_variants("bf16", 64))
+
+
+def test_seconds_at_sums_step_times_to_a_fractional_step() -> None:
+    times = [1.0, 2.0, 3.0]
+    assert seconds_at(times, 1.5) == pytest.approx(2.0)
+    assert seconds_at(times, 3.0) == pytest.approx(6.0)
+    assert math.isinf(seconds_at(times, math.inf))
+    assert math.isinf(seconds_at(times, 3.5))
+
+
+def test_rerun_args_keep_the_frontier_run_and_refuse_one_node(tmp_path: Path) -> None:
+    flags = ["--output-dir", "runs/a", "--seed", "43", "--compression", "demo"]
+    (tmp_path / "train_args.json").write_text(json.dumps([*flags, "#nodes", "2"]))
+    rerun = rerun_args(tmp_path, tmp_path / "again")
+    assert rerun[:6] == ["--output-dir", str(tmp_path / "again"), *flags[2:]]
+    assert rerun[6:] == ["--threads", "1", "--timeout-s", "600"]
+    (tmp_path / "train_args.json").write_text(json.dumps(flags))
+    with pytest.raises(SystemExit, match="not laid out as 2 nodes"):
+        rerun_args(tmp_path, tmp_path / "again")
