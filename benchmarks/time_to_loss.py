@@ -439,8 +439,9 @@ def end_to_end(
     run_dir = work / f"end-to-end-{source.name}"
     train = rerun_args(source, run_dir)
     nodes.shape(rate_bits(spec), args.rtt_ms)
+    wall = math.nan
     if not (args.reuse and recorded(run_dir, train)):
-        run_on_link(nodes, train, run_dir, RDZV_PORT + 500)
+        wall = run_on_link(nodes, train, run_dir, RDZV_PORT + 500)
         (run_dir / ARGS_FILE).write_text(json.dumps(train))
     own, theirs = (summarise(read_metrics(d / "metrics.jsonl")) for d in (run_dir, source))
     target = curves.target(variant.name)
@@ -448,13 +449,18 @@ def end_to_end(
     measured = seconds_at(own.step_times, step)
     composed = steps_to(reference, target) * step_s
     drift = max(abs(loss - reference[s]) for s, loss in own.eval_losses if s in reference)
-    return (
-        f"End to end: {variant.label}, seed {args.end_to_end_seed}, on {spec}: the held-out "
-        f"loss reached the target ({target:.4f}) at step {_steps(step)} after {measured:.0f} s "
-        f"of steps (median step {median_after(own.step_times, args.warmup):.3f} s); composed "
-        f"estimate {_steps(steps_to(reference, target))} steps x {step_s:.3f} s = "
-        f"{composed:.0f} s ({100 * (measured / composed - 1):+.0f}%); largest held-out loss "
-        f"difference from the frontier run: {drift:.2e}."
+    head = (
+        f"End to end: {variant.label}, seed {args.end_to_end_seed}, on {spec}, "
+        f"{len(own.step_times)} steps in {wall:.0f} s of wall clock (start-up and evaluations "
+        f"included; median step {median_after(own.step_times, args.warmup):.3f} s); largest "
+        f"held-out loss difference from the frontier run: {drift:.2e}. "
+    )
+    if math.isinf(step) or math.isinf(composed):
+        return head + f"The run did not reach the target ({target:.4f})."
+    return head + (
+        f"It reached the target ({target:.4f}) at step {step:.0f} after {measured:.0f} s of "
+        f"steps; composed estimate {steps_to(reference, target):.0f} steps x {step_s:.3f} s = "
+        f"{composed:.0f} s ({100 * (measured / composed - 1):+.0f}%)."
     )
 
 
