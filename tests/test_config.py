@@ -102,6 +102,16 @@ def test_bad_values_are_rejected(argv: list[str], message: str) -> None:
         parse_config(argv)
 
 
+def test_a_switch_a_config_file_turned_on_is_turned_off_with_false(tmp_path: Path) -> None:
+    """``--no-zero1`` does not exist; the error names the spelling that does, and it works."""
+    on = tmp_path / "on.toml"
+    on.write_text("zero1 = true\n")
+    assert parse_config(["--config", str(on)]).zero1
+    with pytest.raises(UserError, match="unknown option --no-zero1; use --zero1 false"):
+        parse_config(["--config", str(on), "--no-zero1"])
+    assert not parse_config(["--config", str(on), "--zero1", "false"]).zero1
+
+
 def test_malformed_and_unknown_toml(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("seq_length = = 3\n")

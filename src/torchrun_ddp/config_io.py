@@ -125,11 +125,25 @@ def _joined(base: Path, value: str) -> str:
 
 
 def _unknown_message(name: str) -> str:
-    """'unknown option X; did you mean Y?' with the nearest valid field name."""
+    """'unknown option X; did you mean Y?' with the nearest valid field name; for ``--no-X`` of
+    a switch that is off by default, how to turn it off (``--X false``) when a config file
+    turned it on."""
     key = name.lstrip("-").split("=")[0].replace("-", "_")
+    switch = key.removeprefix("no_")
+    if key != switch and switch in _switches_off_by_default():
+        return f"unknown option {name}; use --{switch.replace('_', '-')} false"
     close = difflib.get_close_matches(key, [*field_names(), "config"], n=1)
     hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else "; see --help"
     return f"unknown option {name}{hint}"
+
+
+def _switches_off_by_default() -> set[str]:
+    """Boolean TrainConfig fields that default to False (their flag takes ``true``/``false``)."""
+    return {
+        field.name
+        for field in dataclasses.fields(TrainConfig)
+        if field.type in (bool, "bool") and field.default is False
+    }
 
 
 def build_parser() -> HfArgumentParser:
