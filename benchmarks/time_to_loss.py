@@ -25,12 +25,13 @@ that the sync counts once per ``H`` steps. ``--png`` draws held-out loss against
 seconds (each evaluation's step x the step time), one line per method, one panel per link.
 ``--end-to-end METHOD`` also runs METHOD's frontier run of ``--end-to-end-seed`` again, with its
 recorded ``train.py`` arguments, on the first limited link; that run must have been laid out as
-2 nodes (``compression.py --nodes 2``) like the namespaces. It reports the seconds of steps the
-run needed to reach the target on the link next to the composed estimate (that seed's steps to
-the target x the measured step time), and how far its held-out losses moved from the frontier
-run's, which checks the composition. ``--reuse`` keeps timing runs already in the work folder
-that were made with identical arguments (the link is probed again), so that the table can be
-composed again when more frontier runs have finished.
+2 nodes (``compression.py --nodes 2``) like the namespaces, with as many ranks per node. It
+reports the seconds of steps the run needed to reach the target on the link (every step, the
+warm-up included) next to the composed estimate (that seed's steps to the target x the median
+step time of the short run), and how far its held-out losses moved from the frontier run's (a
+run laid out otherwise would not match), which checks the composition. ``--reuse`` keeps
+timing runs already in the work folder that were made with identical arguments (the link is
+probed again), so that the table can be composed again when more frontier runs have finished.
 
 Needs root (CAP_NET_ADMIN) and iproute2, as ``bandwidth.py``. Usage (repository root)::
 
@@ -88,6 +89,8 @@ from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.dry_run import run_estimate, trained_shapes
 from torchrun_ddp.model import load_model_config
 
+WALL_FILE = "wall_s.txt"
+"""Each timing run's wall-clock seconds (start-up included), next to its ``ARGS_FILE``."""
 Curve = dict[int, float]
 """Held-out loss by optimizer step (mean over seeds)."""
 
@@ -117,7 +120,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--model", default="configs/tiny-models/llama/config.json", help="the frontier's model")
     add("--steps", type=int, default=8, help="timed steps per timing run, after the warm-up")
     add("--warmup", type=int, default=3, help="untimed first steps of every timing run")
-    add("--end-to-end", default="", help="also rerun this method's frontier run on the first link")
+    add("--end-to-end", default="", help="rerun this method's frontier run on the 1st limited link")
     add("--end-to-end-seed", type=int, default=43, help="the seed of that frontier run")
     add("--reuse", action="store_true", help="keep timing runs made with identical arguments")
     add("--data-dir", type=Path, default=SHARED_DATA, help="offline C4 sample and tokenizer")
@@ -274,10 +277,21 @@ def predict(args: argparse.Namespace, variants: list[Variant], timing: Timing) -
 
 
 def recorded(run_dir: Path, train: list[str]) -> bool:
-    """Whether ``run_dir`` holds a finished run made with the ``train.py`` arguments ``train``."""
+    """Whether ``run_dir`` holds a finished run made with the ``train.py`` arguments ``train``
+    (its arguments are saved only after it finished, and removed before a run starts)."""
     saved = run_dir / ARGS_FILE
     finished = (run_dir / "metrics.jsonl").is_file() and saved.is_file()
     return finished and json.loads(saved.read_text()) == train
+
+
+def run_recorded(nodes: TwoNodes, train: list[str], run_dir: Path, port: int) -> float:
+    """:func:`run_on_link`, then save ``train`` and the wall clock in ``run_dir`` (for
+    ``--reuse``); returns the wall-clock seconds."""
+    (run_dir / ARGS_FILE).unlink(missing_ok=True)
+    wall = run_on_link(nodes, train, run_dir, port)
+    (run_dir / WALL_FILE).write_text(f"{wall}\n")
+    (run_dir / ARGS_FILE).write_text(json.dumps(train))
+    return wall
 
 
 def timed_run(
@@ -287,8 +301,7 @@ def timed_run(
     ``--reuse``, of the run already in ``run_dir`` when it was made with identical arguments)."""
     train = timing_args(args, variant, run_dir, args.warmup + timed_steps(args, variant))
     if not (args.reuse and recorded(run_dir, train)):
-        run_on_link(nodes, train, run_dir, port)
-        (run_dir / ARGS_FILE).write_text(json.dumps(train))
+        run_recorded(nodes, train, run_dir, port)
     times = summarise(read_metrics(run_dir / "metrics.jsonl")).step_times
     return step_seconds(times, args.warmup, variant)
 
@@ -298,7 +311,7 @@ def time_steps(
 ) -> Timing:
     """A short run of every method on every link, links and methods interleaved."""
     timing, port = Timing({}, {}), RDZV_PORT
-    for spec in [s.strip() for s in args.links.split(",") if s.strip()]:
+    for spec in links(args):
         nodes.shape(rate_bits(spec), args.rtt_ms)
         timing.measured[spec] = probe_link(nodes, rate_bits(spec))
         for variant in variants:
@@ -309,13 +322,15 @@ def time_steps(
     return timing
 
 
-def table(variants: list[Variant], curves: Curves, timing: Timing) -> str:
-    """Markdown: steps to the target, and per link step time, time to target and speed-up."""
+def table(variants: list[Variant], curves: Curves, timing: Timing, target_step: int) -> str:
+    """Markdown: steps to the target, and per link step time, time to target and the speed-up
+    over dense, whose time to its own loss at ``target_step`` is ``target_step`` steps (at any
+    method's seeds)."""
     header = ["method", "target (seeds)", "steps to target"]
     for spec in timing.measured:
         header += [f"step s @ {spec}", f"time to target s @ {spec}", f"vs dense @ {spec}"]
         header += [f"predicted step s @ {spec}"] if timing.predicted and spec != "off" else []
-    dense_steps = steps_to(curves.by_method.get("none", {}), curves.target("none"))
+    dense_steps = float(target_step)
     rows = []
     for variant in variants:
         curve = curves.by_method.get(variant.name)
@@ -418,9 +433,11 @@ def rerun_args(source: Path, output: Path) -> list[str]:
 
 def seconds_at(times: list[float], step: float) -> float:
     """Seconds of steps until fractional ``step`` (``times[i]``: step i + 1); inf if never."""
-    whole = int(step) if math.isfinite(step) else len(times)
-    if whole >= len(times):
-        return math.inf if step > len(times) else sum(times)
+    if not step <= len(times):  # also nan and inf
+        return math.inf
+    whole = int(step)
+    if whole == len(times):
+        return sum(times)
     return sum(times[:whole]) + (step - whole) * times[whole]
 
 
@@ -432,23 +449,26 @@ def end_to_end(
     curves: Curves,
     step_s: float,
 ) -> str:
-    """Run ``variant``'s frontier run of ``--end-to-end-seed`` again on the first link; compare
-    its seconds to the target with the composed estimate (that seed's steps x ``step_s``)."""
-    spec = next(s.strip() for s in args.links.split(",") if s.strip())
+    """Run ``variant``'s frontier run of ``--end-to-end-seed`` again on the first limited link;
+    compare its seconds to the target with the composed estimate (that seed's steps x
+    ``step_s``)."""
+    spec = first_limited_link(args)
     source = frontier_run(curves, variant.name, args.end_to_end_seed)
     run_dir = work / f"end-to-end-{source.name}"
     train = rerun_args(source, run_dir)
     nodes.shape(rate_bits(spec), args.rtt_ms)
-    wall = math.nan
     if not (args.reuse and recorded(run_dir, train)):
-        wall = run_on_link(nodes, train, run_dir, RDZV_PORT + 500)
-        (run_dir / ARGS_FILE).write_text(json.dumps(train))
+        run_recorded(nodes, train, run_dir, RDZV_PORT + 500)
+    wall = float((run_dir / WALL_FILE).read_text())
     own, theirs = (summarise(read_metrics(d / "metrics.jsonl")) for d in (run_dir, source))
     target = curves.target(variant.name)
     step, reference = steps_to(dict(own.eval_losses), target), dict(theirs.eval_losses)
     measured = seconds_at(own.step_times, step)
     composed = steps_to(reference, target) * step_s
-    drift = max(abs(loss - reference[s]) for s, loss in own.eval_losses if s in reference)
+    drift = max(
+        (abs(loss - reference[s]) for s, loss in own.eval_losses if s in reference),
+        default=math.nan,
+    )
     head = (
         f"End to end: {variant.label}, seed {args.end_to_end_seed}, on {spec}, "
         f"{len(own.step_times)} steps in {wall:.0f} s of wall clock (start-up and evaluations "
@@ -489,18 +509,32 @@ def measure(
         timing = time_steps(args, nodes, variants, work)
         if not args.end_to_end:
             return timing, ""
-        spec = next(iter(timing.measured))
-        step_s = timing.seconds[(spec, args.end_to_end)]
+        step_s = timing.seconds[(first_limited_link(args), args.end_to_end)]
         variant = next(v for v in variants if v.name == args.end_to_end)
         return timing, end_to_end(args, nodes, variant, work, curves, step_s)
     finally:
         nodes.destroy()
 
 
+def first_limited_link(args: argparse.Namespace) -> str:
+    """The first of ``--links`` that is not ``off``."""
+    return next(spec for spec in links(args) if spec != "off")
+
+
+def links(args: argparse.Namespace) -> list[str]:
+    """``--links`` as a list."""
+    return [spec.strip() for spec in args.links.split(",") if spec.strip()]
+
+
 def check_args(args: argparse.Namespace, variants: list[Variant]) -> None:
-    """Exit with a one-line error for an end-to-end method that is not timed."""
-    if args.end_to_end and args.end_to_end not in {v.name for v in variants}:
+    """Exit with a one-line error for an end-to-end method that is not timed, or without a
+    limited link to run it on."""
+    if not args.end_to_end:
+        return
+    if args.end_to_end not in {v.name for v in variants}:
         sys.exit(f"error: --end-to-end {args.end_to_end} must be one of --methods")
+    if all(spec == "off" for spec in links(args)):
+        sys.exit("error: --end-to-end needs a limited link in --links, such as 100mbit")
 
 
 def main(argv: list[str]) -> int:
@@ -515,7 +549,12 @@ def main(argv: list[str]) -> int:
         print(f"time-to-loss benchmark: {exc}", file=sys.stderr)
         return 1
     predict(args, variants, timing)
-    text = table(variants, curves, timing) + "\n\n" + targets_line(args, curves) + "\n"
+    text = (
+        table(variants, curves, timing, args.target_step)
+        + "\n\n"
+        + targets_line(args, curves)
+        + "\n"
+    )
     text += f"{extra}\n" if extra else ""
     print(text)
     if args.out:

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from common import pick_variants
 from time_to_loss import (
+    check_args,
+    first_limited_link,
     load_curves,
     mean_curve,
     rerun_args,
@@ -99,6 +101,18 @@ def test_seconds_at_sums_step_times_to_a_fractional_step() -> None:
     assert seconds_at(times, 3.0) == pytest.approx(6.0)
     assert math.isinf(seconds_at(times, math.inf))
     assert math.isinf(seconds_at(times, 3.5))
+    assert math.isinf(seconds_at(times, math.nan))
+
+
+def test_end_to_end_needs_a_timed_method_and_a_limited_link() -> None:
+    variants = pick_variants("none,demo-32", 64)
+    args = argparse.Namespace(end_to_end="demo-32", links="off, 100mbit,1gbit")
+    check_args(args, variants)
+    assert first_limited_link(args) == "100mbit"
+    with pytest.raises(SystemExit, match="needs a limited link"):
+        check_args(argparse.Namespace(end_to_end="demo-32", links="off"), variants)
+    with pytest.raises(SystemExit, match="must be one of --methods"):
+        check_args(argparse.Namespace(end_to_end="bf16", links="100mbit"), variants)
 
 
 def test_rerun_args_keep_the_frontier_run_and_refuse_one_node(tmp_path: Path) -> None:

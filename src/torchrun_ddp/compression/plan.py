@@ -28,8 +28,6 @@ from torchrun_ddp.compression.settings import (
 from torchrun_ddp.compression.wire import demo_payload_bytes, topk_payload_bytes, wire_bytes
 
 FP32 = 4
-DDP_FIRST_BUCKET_BYTES = 2**20
-"""DDP's cap on its first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB)."""
 DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's default ``bucket_cap_mb`` (25 MiB) in bytes."""
 
@@ -139,17 +137,19 @@ def last_bucket_share(sizes: Sequence[int], bucket_bytes: float = DDP_BUCKET_BYT
     ends, so that its communication cannot hide behind backward.
 
     DDP fills buckets in reverse order of the parameters (``sizes``: element counts in
-    ``model.parameters()`` order), closing a bucket once it holds ``bucket_bytes`` or more
-    (the first one at 1 MiB); the last bucket holds what is left of the first parameters.
-    ``torch.distributed`` docs, DistributedDataParallel ``bucket_cap_mb``."""
+    ``model.parameters()`` order), closing a bucket once it holds ``bucket_bytes`` or more; the
+    last bucket holds what is left of the first parameters. This package always passes
+    ``bucket_cap_mb`` (``model.wrap_ddp``), so the first bucket has the same cap (torch caps it
+    at 1 MiB only when ``bucket_cap_mb`` is left unset: ``_BucketCapacityConfig`` in
+    ``torch/nn/parallel/distributed.py``). A model under one cap is one bucket: share 1."""
     total = sum(sizes) * FP32
     if not total:
         return 0.0
-    cap, filled, closed = DDP_FIRST_BUCKET_BYTES, 0.0, 0.0
+    filled, closed = 0.0, 0.0
     for size in reversed(sizes):
         filled += size * FP32
-        if filled >= cap:
-            cap, filled, closed = bucket_bytes, 0.0, filled
+        if filled >= bucket_bytes:
+            filled, closed = 0.0, filled
     return (filled or closed) / total
 
 
