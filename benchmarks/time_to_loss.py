@@ -71,6 +71,7 @@ from bandwidth import (
 from common import (
     REPO,
     SHARED_DATA,
+    RunSummary,
     Variant,
     data_args,
     markdown_table,
@@ -461,25 +462,37 @@ def end_to_end(
         run_recorded(nodes, train, run_dir, RDZV_PORT + 500)
     wall = float((run_dir / WALL_FILE).read_text())
     own, theirs = (summarise(read_metrics(d / "metrics.jsonl")) for d in (run_dir, source))
-    target = curves.target(variant.name)
-    step, reference = steps_to(dict(own.eval_losses), target), dict(theirs.eval_losses)
-    measured = seconds_at(own.step_times, step)
-    composed = steps_to(reference, target) * step_s
+    line = (
+        f"End to end: {variant.label}, seed {args.end_to_end_seed}, on {spec}: "
+        f"{wall:.0f} s of wall clock (start-up and evaluations included). "
+    )
+    return line + compare_rerun(own, theirs, curves.target(variant.name), step_s)
+
+
+def compare_rerun(own: RunSummary, theirs: RunSummary, target: float, step_s: float) -> str:
+    """How the rerun ``own`` of the frontier run ``theirs`` on the link matches the
+    composition: its held-out losses against the frontier run's, the seconds of all its steps
+    against ``len(steps) x step_s``, and its seconds to ``target`` against the frontier run's
+    steps to it x ``step_s``."""
+    reference = dict(theirs.eval_losses)
     drift = max(
         (abs(loss - reference[s]) for s, loss in own.eval_losses if s in reference),
         default=math.nan,
     )
-    head = (
-        f"End to end: {variant.label}, seed {args.end_to_end_seed}, on {spec}, "
-        f"{len(own.step_times)} steps in {wall:.0f} s of wall clock (start-up and evaluations "
-        f"included; median step {median_after(own.step_times, args.warmup):.3f} s); largest "
-        f"held-out loss difference from the frontier run: {drift:.2e}. "
+    count, spent = len(own.step_times), sum(own.step_times)
+    text = (
+        f"Largest held-out loss difference from the frontier run: {drift:.2e}. Its {count} "
+        f"steps took {spent:.0f} s; composed: {count} x {step_s:.3f} s = {count * step_s:.0f} s "
+        f"({100 * (spent / (count * step_s) - 1):+.0f}%). "
     )
+    step = steps_to(dict(own.eval_losses), target)
+    composed = steps_to(reference, target) * step_s
     if math.isinf(step) or math.isinf(composed):
-        return head + f"The run did not reach the target ({target:.4f})."
-    return head + (
+        return text + f"It did not reach the target ({target:.4f})."
+    measured = seconds_at(own.step_times, step)
+    return text + (
         f"It reached the target ({target:.4f}) at step {step:.0f} after {measured:.0f} s of "
-        f"steps; composed estimate {steps_to(reference, target):.0f} steps x {step_s:.3f} s = "
+        f"steps; composed: {steps_to(reference, target):.0f} steps x {step_s:.3f} s = "
         f"{composed:.0f} s ({100 * (measured / composed - 1):+.0f}%)."
     )
 

@@ -13,9 +13,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from common import pick_variants
+from common import RunSummary, pick_variants, summarise
 from time_to_loss import (
     check_args,
+    compare_rerun,
     first_limited_link,
     load_curves,
     mean_curve,
@@ -124,3 +125,19 @@ def test_rerun_args_keep_the_frontier_run_and_refuse_one_node(tmp_path: Path) ->
     (tmp_path / "train_args.json").write_text(json.dumps(flags))
     with pytest.raises(SystemExit, match="not laid out as 2 nodes"):
         rerun_args(tmp_path, tmp_path / "again")
+
+
+def _summary(times: list[float], evals: dict[int, float]) -> RunSummary:
+    records = [{"step": i + 1, "loss": 1.0, "step_time_s": t} for i, t in enumerate(times)]
+    return summarise(records + [{"step": s, "eval_loss": loss} for s, loss in evals.items()])
+
+
+def test_compare_rerun_checks_losses_total_time_and_time_to_target() -> None:
+    frontier = _summary([0.1] * 4, {2: 6.0, 4: 5.0})
+    rerun = _summary([0.2, 0.2, 0.3, 0.3], {2: 6.0, 4: 5.0})
+    text = compare_rerun(rerun, frontier, 5.5, 0.25)
+    assert "difference from the frontier run: 0.00e+00" in text
+    assert "Its 4 steps took 1 s; composed: 4 x 0.250 s = 1 s (+0%)" in text
+    # both reach 5.5 at step 3: 0.2 + 0.2 + 0.3 = 0.7 s against 3 x 0.25 = 0.75 s
+    assert "at step 3 after 1 s of steps; composed: 3 steps x 0.250 s = 1 s (-7%)" in text
+    assert "did not reach" in compare_rerun(rerun, frontier, 4.0, 0.25)
