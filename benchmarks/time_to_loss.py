@@ -382,24 +382,25 @@ def _speedup(dense: float, total: float) -> str:
     return f"{dense / total:.2f}x"
 
 
-def draw(path: Path, variants: list[Variant], curves: Curves, timing: Timing) -> None:
-    """Held-out loss against wall-clock seconds, one line per method, one panel per link, and
-    a dashed line at each folder's target."""
+def draw(path: Path, variants: list[Variant], curves: Curves, timing: Timing, step: int) -> None:
+    """Held-out loss minus the method's target (dense AdamW's at ``step``, same seeds and
+    held-out set) against wall-clock seconds, one line per method, one panel per link: a line
+    crosses 0 where the method reaches dense's loss."""
     links = list(timing.measured)
-    figure, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.5), squeeze=False)
+    figure, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.8), squeeze=False)
     for axis, spec in zip(axes[0], links, strict=True):
         for variant in variants:
-            curve = curves.by_method.get(variant.name)
+            curve, target = curves.by_method.get(variant.name), curves.target(variant.name)
             if not curve:
                 continue
             seconds = timing.seconds[(spec, variant.name)]
-            points = [(step * seconds, loss) for step, loss in curve.items() if step > 0]
+            points = [(n * seconds, loss - target) for n, loss in curve.items() if n > 0]
             axis.plot(*zip(*points, strict=True), marker=".", label=variant.label)
-        for target in sorted({round(t, 4) for t in curves.targets.values()}):
-            axis.axhline(target, color="grey", linestyle="--", linewidth=0.8)
-        axis.set(title=f"link {spec}", xlabel="wall-clock seconds", ylabel="held-out loss")
+        axis.axhline(0.0, color="grey", linestyle="--", linewidth=0.8)
+        axis.set(title=f"link {spec}", xlabel="wall-clock seconds (log)")
+        axis.set(ylabel=f"held-out loss - dense AdamW's at step {step}")
         axis.set_xscale("log")
-        axis.legend(fontsize=7)
+        axis.legend(fontsize=6)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -573,7 +574,7 @@ def main(argv: list[str]) -> int:
     if args.out:
         args.out.write_text(text)
     if args.png:
-        draw(args.png, variants, curves, timing)
+        draw(args.png, variants, curves, timing, args.target_step)
     return 0
 
 
