@@ -251,6 +251,16 @@ def wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int
     return codes
 
 
+ARGS_FILE = "train_args.json"
+"""A benchmark run folder records its ``train.py`` arguments here (checked by ``--reuse``)."""
+
+
+def made_with(run_dir: Path, flags: list[str]) -> bool:
+    """Whether ``run_dir`` records ``flags`` as its ``train.py`` arguments (``ARGS_FILE``)."""
+    saved = run_dir / ARGS_FILE
+    return saved.is_file() and json.loads(saved.read_text()) == flags
+
+
 def read_metrics(path: Path) -> list[dict[str, float]]:
     """The records of a ``metrics.jsonl`` (empty if the file is missing)."""
     if not path.is_file():

@@ -66,6 +66,7 @@ import matplotlib.pyplot as plt
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
+    ARGS_FILE,
     REPO,
     SHARED_DATA,
     RunSummary,
@@ -75,6 +76,7 @@ from common import (
     data_args,
     free_port,
     human_bytes,
+    made_with,
     markdown_table,
     median_after,
     optimizer_of,
@@ -96,8 +98,6 @@ WARMUP_SKIP = 3
 """Steps left out of the median step time (first step, DDP bucket rebuild, PowerSGD start)."""
 LOSS_TAIL = 10
 """The final training loss is the mean over this many last steps."""
-ARGS_FILE = "train_args.json"
-"""Each run folder records its ``train.py`` arguments here (checked by ``--reuse``)."""
 FRONTIER_WORLD = 8
 """The world size at which the frontier states wire bytes and ratios."""
 FRONTIER_WORLDS = (FRONTIER_WORLD, 64)
@@ -208,9 +208,7 @@ def recorded_args(args: argparse.Namespace, flags: list[str]) -> list[str]:
 
 def reusable(args: argparse.Namespace, flags: list[str], run_dir: Path) -> RunSummary | None:
     """With ``--reuse``: the summary of a finished run in ``run_dir`` made with ``flags``."""
-    recorded = run_dir / ARGS_FILE
-    wanted = recorded_args(args, flags)
-    if not args.reuse or not recorded.is_file() or json.loads(recorded.read_text()) != wanted:
+    if not args.reuse or not made_with(run_dir, recorded_args(args, flags)):
         return None
     summary = summarise(read_metrics(run_dir / "metrics.jsonl"))
     finished = len(summary.losses) == args.steps and math.isfinite(summary.eval_loss)

@@ -69,11 +69,13 @@ from bandwidth import (
     rate_bits,
 )
 from common import (
+    ARGS_FILE,
     REPO,
     SHARED_DATA,
     RunSummary,
     Variant,
     data_args,
+    made_with,
     markdown_table,
     median_after,
     pick_variants,
@@ -83,7 +85,6 @@ from common import (
     train_env,
     wait_all,
 )
-from compression import ARGS_FILE
 
 from torchrun_ddp.compression.plan import Topology, predicted_step_seconds
 from torchrun_ddp.config_io import parse_config
@@ -180,12 +181,15 @@ def load_curves(args: argparse.Namespace, variants: list[Variant]) -> Curves:
     dense also has there; exits with a one-line error when that folder has no dense held-out
     loss at ``--target-step`` at those seeds."""
     curves = Curves({}, {}, {}, {})
+    dense_by_folder: dict[Path, dict[int, Curve]] = {}
     for variant in variants:
         for path in args.frontier_dir:
             runs = seed_curves(path, variant.name, args.tune_seed)
             if not runs:
                 continue
-            dense = seed_curves(path, "none", args.tune_seed)
+            if path not in dense_by_folder:
+                dense_by_folder[path] = seed_curves(path, "none", args.tune_seed)
+            dense = dense_by_folder[path]
             seeds = sorted(set(runs) & set(dense))
             curves.folder[variant.name], curves.seeds[variant.name] = path, seeds
             curves.by_method[variant.name] = mean_curve([runs[seed] for seed in seeds])
@@ -280,9 +284,7 @@ def predict(args: argparse.Namespace, variants: list[Variant], timing: Timing) -
 def recorded(run_dir: Path, train: list[str]) -> bool:
     """Whether ``run_dir`` holds a finished run made with the ``train.py`` arguments ``train``
     (its arguments are saved only after it finished, and removed before a run starts)."""
-    saved = run_dir / ARGS_FILE
-    finished = (run_dir / "metrics.jsonl").is_file() and saved.is_file()
-    return finished and json.loads(saved.read_text()) == train
+    return (run_dir / "metrics.jsonl").is_file() and made_with(run_dir, train)
 
 
 def run_recorded(nodes: TwoNodes, train: list[str], run_dir: Path, port: int) -> float:
@@ -354,8 +356,7 @@ def targets_line(args: argparse.Namespace, curves: Curves) -> str:
     """Each method's target, seeds and frontier folder."""
     parts = []
     for name, target in curves.targets.items():
-        seeds = ", ".join(map(str, curves.seeds[name]))
-        parts.append(f"{name} {target:.4f} (seeds {seeds}; {curves.folder[name]})")
+        parts.append(f"{name} {target:.4f} (seeds {_seeds(curves, name)}; {curves.folder[name]})")
     return (
         f"Targets, dense AdamW's mean held-out loss at step {args.target_step} over each "
         "method's seeds in its folder: " + "; ".join(parts) + "."
@@ -365,7 +366,11 @@ def targets_line(args: argparse.Namespace, curves: Curves) -> str:
 def _target(curves: Curves, method: str) -> str:
     if method not in curves.targets:
         return "-"
-    return f"{curves.targets[method]:.4f} ({', '.join(map(str, curves.seeds[method]))})"
+    return f"{curves.targets[method]:.4f} ({_seeds(curves, method)})"
+
+
+def _seeds(curves: Curves, method: str) -> str:
+    return ", ".join(map(str, curves.seeds[method]))
 
 
 def _steps(steps: float) -> str:
