@@ -402,7 +402,8 @@ def test_plan_node_aware_demo_uplink_is_30x_below_dense_at_8_by_8() -> None:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--overlap-exchange"], "--overlap-exchange delays DeMo's exchange"),
+        (["--overlap-exchange"], "does nothing for adamw"),
+        (["--optimizer", "demo", "--overlap-exchange", "--sync-delay", "2"], "--sync-delay"),
         (["--optimizer", "diloco", "--compression-scope", "inter-node"], "not diloco"),
     ],
 )

@@ -142,7 +142,15 @@ class TrainConfig:
     overlap_exchange: bool = _opt(
         False,
         "--optimizer demo: start each step's all-gather and apply it one step later, so it runs "
-        "during the next forward and backward (a one-step-delayed update).",
+        "during the next forward and backward (a one-step-delayed update). --optimizer "
+        "diloco/sparseloco: keep taking inner steps while the sync's exchange runs and apply its "
+        "outer update --sync-delay steps later, keeping the steps taken meanwhile.",
+    )
+    sync_delay: int = _opt(
+        0,
+        "--optimizer diloco/sparseloco with --overlap-exchange: inner steps between a sync's "
+        "start and its outer update, 1 to --local-steps (Streaming DiLoCo's tau, Douillard et al. "
+        "2025, arXiv:2501.18512); 0: a whole window.",
     )
     local_steps: int = _opt(
         0,

@@ -62,10 +62,15 @@ def _validate_demo(config: TrainConfig) -> None:
             f"--demo-topk must be >= 1, --demo-tile-size >= 2 and --demo-beta in [0, 1), got "
             f"{config.demo_topk}, {config.demo_tile_size} and {config.demo_beta}"
         )
-    if config.overlap_exchange and config.optimizer != "demo":
+    if config.overlap_exchange and config.optimizer == "adamw":
         raise UserError(
-            f"--overlap-exchange delays DeMo's exchange and does nothing for --optimizer "
-            f"{config.optimizer}; drop it or use --optimizer demo"
+            "--overlap-exchange delays the exchange of --optimizer demo, diloco or sparseloco "
+            "and does nothing for adamw (DDP already overlaps backward); drop it"
+        )
+    if config.sync_delay and not (config.overlap_exchange and config.optimizer != "demo"):
+        raise UserError(
+            "--sync-delay sets when an overlapped DiLoCo/SparseLoCo sync lands; use it with "
+            "--optimizer diloco or sparseloco and --overlap-exchange, or drop it"
         )
     if config.optimizer == "adamw":
         return
@@ -90,6 +95,8 @@ def _validate_demo(config: TrainConfig) -> None:
 
 def _validate_local_updates(config: TrainConfig) -> None:
     """Reject DiLoCo/SparseLoCo hyperparameters out of range, whatever --optimizer is."""
+    if config.sync_delay < 0:
+        raise UserError(f"--sync-delay must be >= 0 (0: a whole window), got {config.sync_delay}")
     if config.local_steps < 0 or config.outer_lr < 0 or not 0.0 <= config.outer_momentum < 1.0:
         raise UserError(
             f"--local-steps and --outer-lr must be >= 0 (0: the paper's) and --outer-momentum in "

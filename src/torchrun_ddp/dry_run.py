@@ -155,7 +155,8 @@ def local_update_memory(
     if config.optimizer not in LOCAL_UPDATE_METHODS:
         return []
     shapes = trained_shapes(config, model_config)
-    return memory_rows(local_update_settings(config), shapes, world_size)
+    param_bytes = 2 if config.precision == "bf16" else 4  # bf16: bf16 parameters
+    return memory_rows(local_update_settings(config), shapes, world_size, param_bytes)
 
 
 def local_update_memory_table(rows: list[MemoryRow], config: TrainConfig) -> str:
@@ -230,7 +231,9 @@ def optimizer_rows(
         )
     node_aware = config.compression_scope == "inter-node" and settings.method == "sparseloco"
     numel = sum(map(math.prod, shapes)) if node_aware else 0
-    sync, per_step = local_update_estimates(collective, payload, settings.local_steps, topo, numel)
+    sync, per_step = local_update_estimates(
+        collective, payload, settings.local_steps, topo, numel, settings.sync_delay
+    )
     demo = demo_estimate(shapes, 32, 64, torch.bfloat16, topo)
     name = describe_local_updates(settings) + (" inter-node" if node_aware else "")
     return [

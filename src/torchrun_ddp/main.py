@@ -226,10 +226,12 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
 
 
 def flush_exchange(trainer: Trainer) -> None:
-    """At the end of training: apply DeMo's update still in flight (--overlap-exchange), so the
-    last step is evaluated, checkpointed and exported with it (collective)."""
-    if isinstance(trainer.optimizer, DeMo) and trainer.optimizer.flush():
-        log.info("applied the last DeMo update in flight (step %d)", trainer.step)
+    """At the end of training: apply DeMo's update or DiLoCo's/SparseLoCo's sync still in
+    flight (--overlap-exchange), so the last step is evaluated, checkpointed and exported with
+    it (collective)."""
+    optimizer = trainer.optimizer
+    if isinstance(optimizer, DeMo | LocalUpdates) and optimizer.flush():
+        log.info("applied the last update in flight (step %d)", trainer.step)
 
 
 def after_step(trainer: Trainer) -> None:

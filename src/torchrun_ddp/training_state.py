@@ -100,6 +100,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
     }
     if isinstance(trainer.optimizer, LocalUpdates):  # the outer state's tensors must match
         identity["outer_momentum"] = bool(trainer.optimizer.settings.outer_momentum)
+        identity["sync_delay"] = trainer.optimizer.settings.sync_delay
     if config.optimizer in ("demo", "sparseloco"):  # per-rank shares, an update in flight
         identity["exchange"] = [config.compression_scope, config.overlap_exchange]
     return identity
@@ -137,6 +138,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     path = Path(plan.path)
     saved = read_meta(path)
     saved.setdefault("exchange", ["global", False])  # checkpoints from before the option
+    saved.setdefault("sync_delay", 0)
     check_compatible(saved, run_identity(trainer))
     adapt_to_world_size(trainer, saved)
     shared, sharded = shared_state(trainer), sharded_state(trainer)

@@ -15,10 +15,17 @@ would lose up to H - 1 steps, or force an early sync that changes the run). So t
   local parameters only when the checkpoint falls inside a window (at a boundary they are the
   synced ones rounded to the parameter dtype, so nothing is written).
 
+An overlapped sync still pending (``--overlap-exchange``) is settled when saved: the checkpoint
+waits for its exchange and takes the outer step, so the shared state holds the new synced
+parameters and nothing in flight; each rank adds its parameters at the sync's start (for the
+rebase still to come) to its own state. The outer step is the same whenever it is taken, so the
+resumed run stays bit-exact.
+
 Resume at the same world size is bit-exact anywhere in a window. At another world size the synced
 parameters, the outer momentum and the position carry over exactly; each new rank ``r`` takes old
 rank ``r mod W_old``'s inner AdamW state; the local progress since the last sync is dropped (every
-rank restarts from the synced parameters) and the error feedback is reset, each with a warning.
+rank restarts from the synced parameters, an outer update still pending included) and the error
+feedback is reset, each with a warning.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
 
 import torch
+
+from torchrun_ddp.compression.local_updates import PendingSync
 
 if TYPE_CHECKING:
     from torchrun_ddp.compression.local_updates import LocalUpdates
@@ -54,7 +63,9 @@ class SyncedState:
         return [state[copy]["momentum_buffer"] for copy in self.optimizer.synced if copy in state]
 
     def state_dict(self) -> dict[str, object]:
-        """The window position, the synced parameters and the outer momentum."""
+        """The window position, the synced parameters and the outer momentum (after the outer
+        step of a pending sync: :meth:`LocalUpdates.settle`, a collective when it waits)."""
+        self.optimizer.settle()
         return {
             "position": self.optimizer.position,
             "synced": _indexed(self.optimizer.synced),
@@ -91,7 +102,8 @@ def _share(optimizer: LocalUpdates) -> list[int]:
 class RankState:
     """A :class:`LocalUpdates`' per-rank state as per-rank checkpoint state (JSON + tensors,
     nothing pickled): the inner optimizer's ``state_dict`` (parameter positions as string keys),
-    the error feedback (SparseLoCo) and, inside a window, the local parameters.
+    the error feedback (SparseLoCo), inside a window the local parameters, and with a sync
+    pending this rank's parameters when it started (``sync_start``).
 
     Load it after :class:`SyncedState` (``load_checkpoint`` restores shared state first): the
     local parameters are the saved ones inside a window, else the synced ones.
@@ -101,18 +113,22 @@ class RankState:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, object]:
-        """``{"inner": {"state", "param_groups"}, "error_feedback": {...}, "local": {...}}``."""
+        """``{"inner": {"state", "param_groups"}, "error_feedback": {...}, "local": {...},
+        "share": [...], "sync_start": {...}}``."""
         optimizer = self.optimizer
+        optimizer.settle()
         inner = optimizer.inner.state_dict()
         trained = [p.detach() for p in optimizer.trained]
+        pending = optimizer.pending
         return {
             "inner": {
                 "state": {str(index): values for index, values in inner["state"].items()},
                 "param_groups": inner["param_groups"],
             },
             "error_feedback": _indexed(optimizer.error),
-            "local": _indexed(trained) if optimizer.position else {},
+            "local": _indexed(trained) if optimizer.position or pending else {},
             "share": _share(optimizer),
+            "sync_start": _indexed(pending.start) if pending else {},
         }
 
     @torch.no_grad()
@@ -130,6 +146,23 @@ class RankState:
         _copy_into(self.optimizer.error, state_dict["error_feedback"])
         local = cast(Mapping[str, torch.Tensor], state_dict["local"])
         _copy_into(self.optimizer.trained, local or _indexed(self.optimizer.synced))
+        self._load_pending(cast(Mapping[str, torch.Tensor], state_dict.get("sync_start") or {}))
+
+    def _load_pending(self, start: Mapping[str, torch.Tensor]) -> None:
+        """The settled sync whose rebase is still to come (the shared state holds its outer
+        step); raises ``ValueError`` when the run has no sync delay to apply it with."""
+        optimizer = self.optimizer
+        optimizer.pending = None
+        if not start:
+            return
+        if not optimizer.settings.sync_delay:
+            raise ValueError(
+                "the checkpoint holds a DiLoCo/SparseLoCo sync in flight (--overlap-exchange); "
+                "resume with --overlap-exchange"
+            )
+        device = optimizer.trained[0].device  # checkpoint tensors load on the CPU
+        copies = [start[str(index)].to(device, copy=True) for index in range(len(start))]
+        optimizer.pending = PendingSync(copies, stepped=True)
 
     @torch.no_grad()
     def load_resharded(self, state_dict: Mapping[str, object]) -> list[str]:
@@ -139,11 +172,12 @@ class RankState:
         optimizer = self.optimizer
         self.load_inner(state_dict)
         dropped = []
-        if optimizer.position:
+        if optimizer.position or state_dict.get("sync_start"):
             dropped.append(
-                f"the {optimizer.position} local steps since the last sync (every rank restarts "
-                "from the synced parameters)"
+                f"the {optimizer.position} local steps since the last sync started (every rank "
+                "restarts from the synced parameters, a pending outer update applied)"
             )
+        optimizer.pending = None
         if optimizer.error:
             dropped.append("the SparseLoCo error feedback (reset to zero)")
             for error in optimizer.error:

@@ -31,6 +31,21 @@ every rank, and ``theta_r`` the rank's own (the model's) parameters:
    and the all-gather decode runs the same operations on the same bytes). The inner AdamW state
    is never reset or exchanged.
 
+**Overlapped sync** (``sync_delay = tau >= 1``, ``--overlap-exchange``): step 2's collective is
+started and left running; the rank keeps taking inner steps from its own ``theta_r``, and
+``tau`` inner steps later (``1 <= tau <= H``; ``tau = H``: at the next window's end, just
+before that window's exchange starts) the outer step is applied and the rank *rebases*:
+``theta_r <- theta_new + (theta_r - s_r)``, ``s_r`` being its parameters when the exchange
+started. So no inner step is lost (the ``tau`` steps taken meanwhile count in the next
+pseudo-gradient, ``theta_new - theta_r``), the synced parameters stay bit-identical on all
+ranks, and the local parameters differ by their progress since the exchange started. What it
+changes: the next window starts from a point that has not seen the last outer update (a delay
+of ``tau`` inner steps). This is Streaming DiLoCo's overlap (Douillard et al. 2025,
+arXiv:2501.18512, ``tau`` there; its merge with ``alpha = 0`` drops the ``tau`` local steps
+instead of keeping them) and, at ``tau = H``, the one-outer-step delay of Kale et al. 2025
+(arXiv:2502.12996) without their "eager" local term. torchft's ``local_sgd.py`` calls ``tau``
+``fragment_sync_delay``.
+
 Defaults (see ``config.py``): DiLoCo H 500, outer lr 0.7, Nesterov momentum 0.9 (DiLoCo paper,
 section 3); SparseLoCo H 15, k 64 of 4096-value chunks (1.56% density: the paper reports 1-3%),
 error-feedback decay 0.95, 2-bit values, outer lr 1 (SparseLoCo paper's main setting).
@@ -51,7 +66,12 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from torchrun_ddp.compression.demo_exchange import Counter, MessageExchange, assign_owners
+from torchrun_ddp.compression.demo_exchange import (
+    Counter,
+    InFlight,
+    MessageExchange,
+    assign_owners,
+)
 from torchrun_ddp.compression.sparseloco_codec import chunk_codec, decode_mean, encode_chunks
 from torchrun_ddp.compression.state import CompressionState
 from torchrun_ddp.compression.wire import sparseloco_chunk_payload
@@ -94,6 +114,9 @@ class LocalUpdateSettings:
     """SparseLoCo: error-feedback decay in [0, 1)."""
     quant_bits: int = 2
     """SparseLoCo: bits per value sent, 1 to 8; 0 sends fp32 values (no quantization)."""
+    sync_delay: int = 0
+    """Inner steps between a sync's start and its outer update (0 to H); 0 waits for the sync
+    in the step that starts it, >= 1 overlaps it with that many inner steps."""
 
 
 def validate_local_updates(settings: LocalUpdateSettings) -> None:
@@ -123,6 +146,11 @@ def validate_local_updates(settings: LocalUpdateSettings) -> None:
         )
     if not 0 <= settings.quant_bits <= MAX_QUANT_BITS:
         raise ValueError(f"quant bits must be 0 (none) to 8, got {settings.quant_bits}")
+    if not 0 <= settings.sync_delay <= settings.local_steps:
+        raise ValueError(
+            f"the sync delay (--sync-delay) must be 0 to the local steps ({settings.local_steps}), "
+            f"got {settings.sync_delay}; lower it or raise --local-steps"
+        )
 
 
 def local_update_settings(config: TrainConfig) -> LocalUpdateSettings:
@@ -130,9 +158,10 @@ def local_update_settings(config: TrainConfig) -> LocalUpdateSettings:
     ``--local-steps`` and ``--outer-lr`` means the method's paper value; SparseLoCo ignores
     ``--outer-momentum`` (it has none). Raises UserError for values out of range."""
     method = config.optimizer
+    local_steps = config.local_steps or PAPER_LOCAL_STEPS.get(method, 1)
     settings = LocalUpdateSettings(
         method=method,
-        local_steps=config.local_steps or PAPER_LOCAL_STEPS.get(method, 1),
+        local_steps=local_steps,
         outer_lr=config.outer_lr or PAPER_OUTER_LR.get(method, 1.0),
         outer_momentum=config.outer_momentum if method == "diloco" else 0.0,
         pseudo_gradient_dtype=config.pseudo_gradient_dtype,
@@ -140,6 +169,7 @@ def local_update_settings(config: TrainConfig) -> LocalUpdateSettings:
         chunk=config.sparseloco_chunk,
         beta=config.sparseloco_beta,
         quant_bits=config.quant_bits,
+        sync_delay=(config.sync_delay or local_steps) if config.overlap_exchange else 0,
     )
     try:
         validate_local_updates(settings)
@@ -149,7 +179,13 @@ def local_update_settings(config: TrainConfig) -> LocalUpdateSettings:
 
 
 def describe(settings: LocalUpdateSettings) -> str:
-    """One line for logs and tables, e.g. ``sparseloco H=15 k=64/4096 2-bit beta 0.95 lr 1``."""
+    """One line for logs and tables, e.g. ``sparseloco H=15 k=64/4096 2-bit beta 0.95 lr 1``
+    (``overlapped tau=15`` follows with a sync delay)."""
+    tail = f" overlapped tau={settings.sync_delay}" if settings.sync_delay else ""
+    return _describe(settings) + tail
+
+
+def _describe(settings: LocalUpdateSettings) -> str:
     head = f"{settings.method} H={settings.local_steps}"
     if settings.method == "diloco":
         momentum = f"Nesterov {settings.outer_momentum:g}" if settings.outer_momentum else "SGD"
@@ -162,6 +198,26 @@ def describe(settings: LocalUpdateSettings) -> str:
     )
 
 
+@dataclass
+class PendingSync:
+    """A sync whose exchange has started and whose outer update this rank has not yet applied.
+
+    DiLoCo: ``work`` (the all-reduce, None once waited for) fills ``wire``, the pseudo-gradient
+    on the wire, of which ``flat`` (fp32, [N]) is the mean once waited for; ``synced``'s
+    gradients are views of ``flat``. SparseLoCo: ``flight``, its all-gather(s). ``start``: this
+    rank's parameters when the exchange started (overlapped syncs only, for the rebase).
+    ``stepped``: the outer step is done (``synced`` holds the new parameters), only the rebase
+    of the local parameters is left.
+    """
+
+    start: list[torch.Tensor]
+    work: dist.Work | None = None
+    flat: torch.Tensor | None = None
+    wire: torch.Tensor | None = None
+    flight: InFlight | None = None
+    stepped: bool = False
+
+
 class LocalUpdates(Optimizer):
     """DiLoCo or SparseLoCo (module docstring) around an inner optimizer, as an ``Optimizer``.
 
@@ -170,13 +226,16 @@ class LocalUpdates(Optimizer):
     wrapper sets the inner learning rate. ``step()`` runs one inner step and, every
     ``settings.local_steps`` calls, the sync, a collective: every rank of ``process_group``
     must call it in the same step. ``counter`` (``CompressionState.count``) is told the bytes
-    handed to the sync's collective, in the step that sends them.
+    handed to the sync's collective, in the step that sends them. With ``settings.sync_delay``
+    the sync's outer update lands that many steps after its exchange starts (the module
+    docstring's overlapped sync); :meth:`flush` applies one still pending.
 
     State: ``synced`` (fp32 copies of the trained parameters, the same on all ranks),
     ``outer`` (``torch.optim.SGD`` over ``synced``: Nesterov momentum for DiLoCo, whose buffers
     are created at zero here so that a checkpoint's keys never depend on the step; none for
-    SparseLoCo), ``error`` (SparseLoCo: fp32 error feedback per parameter, per rank) and
-    ``position`` (inner steps since the last sync, 0 <= position < H). Checkpointed by
+    SparseLoCo), ``error`` (SparseLoCo: fp32 error feedback per parameter, per rank),
+    ``position`` (inner steps since the last sync started, 0 <= position < H) and ``pending``
+    (an overlapped sync not yet applied). Checkpointed by
     :class:`.local_update_state.SyncedState` (shared) and ``RankState`` (per rank).
 
     ``node_groups`` (SparseLoCo only; ``--compression-scope inter-node``): every node is one
@@ -206,6 +265,9 @@ class LocalUpdates(Optimizer):
         self.process_group = process_group
         self.counter = counter
         self.position = 0
+        self.pending: PendingSync | None = None
+        self.syncs_applied = 0
+        """Outer updates this process has applied (with a sync delay: behind the syncs started)."""
         self.trained = [p for group in self.param_groups for p in group["params"]]
         self.synced = [p.detach().to(torch.float32, copy=True) for p in self.trained]
         momentum = settings.outer_momentum
@@ -242,16 +304,55 @@ class LocalUpdates(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One inner step; the sync when it completes a window. Returns ``closure()``'s loss."""
+        """One inner step; the outer update of a pending sync when its delay is over; the start
+        of a sync when the step completes a window (and its outer update at once without a
+        delay). Returns ``closure()``'s loss."""
         loss = self.inner.step(closure)
         self.position += 1
+        if self.pending is not None and self.position == self.settings.sync_delay:
+            self.flush()
         if self.position >= self.settings.local_steps:
-            if self.settings.method == "diloco":
-                self._sync_diloco()
-            else:
-                self._sync_sparseloco()
-            self._finish_sync()
+            self.position = 0
+            self.pending = self._start_sync()
+            if not self.settings.sync_delay:
+                self.flush()
         return loss
+
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """Apply the pending sync's outer update and rebase (a collective when its exchange is
+        unfinished); True if there was one. Called at the end of training so that the last
+        sync is not lost."""
+        pending = self.pending
+        if pending is None:
+            return False
+        self.settle()
+        for index, (param, copy) in enumerate(zip(self.trained, self.synced, strict=True)):
+            if not pending.start:
+                param.copy_(copy)
+                continue
+            progress = param.float() - pending.start[index].float()
+            param.copy_(copy + progress)
+        self.pending = None
+        return True
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Wait for the pending sync's exchange and take the outer step on ``synced`` (the rebase
+        of the local parameters waits for :meth:`flush`); nothing when none is pending or it is
+        settled. Checkpoints call it, so that they hold the outer step, not a collective."""
+        pending = self.pending
+        if pending is None or pending.stepped:
+            return
+        if self.settings.method == "diloco":
+            self._finish_diloco(pending)
+        else:
+            self._finish_sparseloco(pending)
+        self.outer.step()
+        for copy in self.synced:
+            copy.grad = None
+        pending.stepped = True
+        self.syncs_applied += 1
 
     def payload_bytes(self) -> int:
         """Bytes this rank hands to the sync's collective (all-reduce input for DiLoCo, this
@@ -266,8 +367,16 @@ class LocalUpdates(Optimizer):
         if self.counter is not None:
             self.counter(collective, nbytes, self.process_group)
 
-    def _sync_diloco(self) -> None:
-        """Mean pseudo-gradient over ranks by one all-reduce, set as ``synced``'s gradients."""
+    def _start_sync(self) -> PendingSync:
+        """The pseudo-gradient and the start of its exchange (not waited for)."""
+        start = [p.detach().clone() for p in self.trained] if self.settings.sync_delay else []
+        if self.settings.method == "diloco":
+            return self._start_diloco(start)
+        return self._start_sparseloco(start)
+
+    def _start_diloco(self, start: list[torch.Tensor]) -> PendingSync:
+        """The pseudo-gradient ``synced - local`` in one fp32 buffer (``synced``'s gradients are
+        views of it) and its all-reduce (fp32, or a bf16 wire copy), started."""
         numel = sum(p.numel() for p in self.trained)
         flat = torch.empty(numel, dtype=torch.float32, device=self.synced[0].device)
         offset = 0
@@ -279,20 +388,31 @@ class LocalUpdates(Optimizer):
         dtype = PSEUDO_GRADIENT_DTYPES[self.settings.pseudo_gradient_dtype]
         wire = flat if dtype == torch.float32 else flat.to(dtype)
         self._count("all_reduce", wire.numel() * wire.element_size())
-        dist.all_reduce(wire, group=self.process_group)
-        if wire is not flat:
-            flat.copy_(wire)
-        flat.div_(dist.get_world_size(self.process_group))
+        work = dist.all_reduce(wire, group=self.process_group, async_op=True)
+        return PendingSync(start, work=work, flat=flat, wire=wire)
 
-    def _sync_sparseloco(self) -> None:
-        """Error feedback, top-k per chunk, quantization of this rank's tensors (all of them,
-        or its share when node-aware); the all-gather(s); the mean of every sender's values set
-        as ``synced``'s gradients."""
+    def _finish_diloco(self, pending: PendingSync) -> None:
+        """Wait for the all-reduce; ``flat`` (``synced``'s gradients) becomes the mean."""
+        assert pending.flat is not None and pending.wire is not None and pending.work is not None
+        pending.work.wait()
+        if pending.wire is not pending.flat:
+            pending.flat.copy_(pending.wire)
+        pending.flat.div_(dist.get_world_size(self.process_group))
+
+    def _start_sparseloco(self, start: list[torch.Tensor]) -> PendingSync:
+        """Error feedback, top-k per chunk and quantization of this rank's tensors (all of them,
+        or its share when node-aware), and the all-gather of the message, started."""
         mine = [i for i, owner in enumerate(self.owners) if owner == self.local_rank]
         messages = [self._compress(index) for index in mine]
         device = self.synced[0].device
         payload = torch.cat(messages) if messages else torch.zeros(0, dtype=torch.uint8)
-        rows = self.exchange.finish(self.exchange.start(payload.to(device), []))
+        return PendingSync(start, flight=self.exchange.start(payload.to(device), []))
+
+    def _finish_sparseloco(self, pending: PendingSync) -> None:
+        """Wait for the all-gather(s); the mean of every sender's decoded values becomes
+        ``synced``'s gradients."""
+        assert pending.flight is not None
+        rows = self.exchange.finish(pending.flight)
         offsets = [0] * len(rows)
         for index, owner in enumerate(self.owners):
             size = self._message_bytes(index)
@@ -301,14 +421,6 @@ class LocalUpdates(Optimizer):
             self.synced[index].grad = decode_mean(
                 part, self.codecs[index], self.settings.quant_bits
             )
-
-    def _finish_sync(self) -> None:
-        """Outer step on ``synced``, then every rank restarts from it."""
-        self.outer.step()
-        for param, copy in zip(self.trained, self.synced, strict=True):
-            copy.grad = None
-            param.copy_(copy)
-        self.position = 0
 
     def _compress(self, index: int) -> torch.Tensor:
         """``e <- beta e + (synced - local)``; per chunk the top-k values of ``e``, quantized;

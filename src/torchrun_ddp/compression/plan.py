@@ -236,6 +236,7 @@ def local_update_estimates(
     local_steps: int,
     topo: Topology,
     node_aware_numel: int = 0,
+    sync_delay: int = 0,
 ) -> tuple[CommEstimate, CommEstimate]:
     """DiLoCo's or SparseLoCo's sync (``--optimizer diloco|sparseloco``): one ``collective``
     (all-reduce of the pseudo-gradient, or all-gather of each rank's top-k message) of
@@ -247,10 +248,17 @@ def local_update_estimates(
     ``node_aware_numel`` (SparseLoCo with ``--compression-scope inter-node``, the trained
     parameter count): one replica per node, whose ranks all-reduce their gradients in fp32 inside
     the node every step; the sync sends one message per local-rank share over the uplinks
-    (``N - 1`` whole messages) and shares the gathered ones inside the node."""
+    (``N - 1`` whole messages) and shares the gathered ones inside the node.
+
+    ``sync_delay`` (``tau``, ``--overlap-exchange``): the sync's exchange runs during the next
+    ``tau`` steps' compute and only what outlasts them waits, in the step that applies it, so a
+    step takes ``compute + max(0, sync - tau x compute) / H`` on average (``hides_behind`` =
+    ``tau / H`` of a step; node-aware, the sharing inside the node and the per-step all-reduce
+    never hide)."""
     sync = _global(collective, payload, topo, overlaps=False)
     every_step = CommEstimate(0.0, 0.0, 0.0, overlaps=False)
-    if node_aware_numel and topo.nodes > 1 and topo.per_node > 1:
+    node_aware = bool(node_aware_numel) and topo.nodes > 1 and topo.per_node > 1
+    if node_aware:
         sync = _node_aware_demo(payload, 0, topo)
         every_step = _node_aware_demo(0.0, node_aware_numel, topo)
     sync = replace(sync, waits=f"in the optimizer step, every {local_steps} steps")
@@ -259,6 +267,17 @@ def local_update_estimates(
         wire_bytes=sync.wire_bytes / local_steps + every_step.wire_bytes,
         uplink_bytes=sync.uplink_bytes / local_steps,
         seconds=sync.seconds / local_steps + every_step.seconds,
+    )
+    if not sync_delay:
+        return sync, per_step
+    uplink_s = sync.uplink_bytes * 8 / topo.inter_bits_per_s
+    inside = max(0.0, sync.seconds - uplink_s) if node_aware else 0.0
+    sync = replace(sync, overlaps=True, hides_behind=float(sync_delay), exposed_s=inside)
+    per_step = replace(
+        per_step,
+        overlaps=True,
+        hides_behind=sync_delay / local_steps,
+        exposed_s=inside / local_steps + every_step.seconds,
     )
     return sync, per_step
 

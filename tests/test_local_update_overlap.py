@@ -1,0 +1,366 @@
+"""The overlapped sync of DiLoCo and SparseLoCo (``--overlap-exchange``, ``--sync-delay``):
+its algebra, rank agreement, exact resume and stop inside the delay, the flush at the end, the
+plan and the refusals.
+
+One spawn of 2 real gloo ranks runs:
+
+- the algebra: with parameter-independent gradients, inner AdamW without weight decay and outer
+  SGD at lr 1 without momentum, every rank's parameters after step ``t`` have a closed form in a
+  lone AdamW's (no wrapper, same gradients): ``x_r(t) = mean_r lone_r(s) + lone_r(t) - lone_r(s)``,
+  ``s`` the last sync start whose outer update has landed (``s + tau <= t``). It checks the delay
+  (the update lands ``tau`` steps after the start, not sooner) and the rebase (no inner step is
+  lost). SparseLoCo that sends everything is DiLoCo with plain SGD, so it has the same form;
+- a small DDP model over 3 windows with a checkpoint inside the delay, resumed by a fresh model;
+- the real trainer on the tiny LLaMA: SparseLoCo stopped by SIGTERM inside the delay and
+  resumed, DiLoCo resumed from a periodic checkpoint inside its delay, both against straight runs
+  that end inside a delay (the flush applies it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_harness import run_distributed, tiny_args
+from tiny_models import (
+    accumulate_local_batches,
+    digest,
+    flat_parameters,
+    random_gradients,
+    random_parameters,
+    small_mlp,
+    tiny_model_path,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from torchrun_ddp.build import Trainer, prepare_inputs
+from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
+from torchrun_ddp.compression import (
+    LocalUpdates,
+    LocalUpdateSettings,
+    RankState,
+    SyncedState,
+    build_local_updates,
+    register_local_gradients,
+)
+from torchrun_ddp.compression.local_update_memory import memory_rows
+from torchrun_ddp.compression.plan import (
+    Topology,
+    local_update_estimates,
+    predicted_step_seconds,
+)
+from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.main import start, train
+from torchrun_ddp.optimizer import parameter_groups
+
+WORLD = 2
+SHAPES = [(24, 40), (130,), (7,)]
+H = 3
+STEPS = 3 * H
+SAVE_AT = H + 1
+"""One step after the second window's start: inside the delay for tau = 2 and tau = H."""
+
+
+def _lone_steps(rank: int, steps: int) -> list[list[torch.Tensor]]:
+    """Parameters after each step 0..steps of AdamW alone (no weight decay) on this rank's
+    gradients, and (appended) their mean over ranks: [t] -> [own..., mean...]."""
+    params = random_parameters(SHAPES, 0)
+    adamw = torch.optim.AdamW(params, lr=0.05, weight_decay=0.0)
+    history = []
+    for step in range(steps + 1):
+        if step:
+            for param, grad in zip(params, random_gradients(SHAPES, step, rank), strict=True):
+                param.grad = grad
+            adamw.step()
+        own = [p.detach().clone() for p in params]
+        mean = [p.clone() for p in own]
+        for tensor in mean:
+            dist.all_reduce(tensor)
+            tensor.div_(WORLD)
+        history.append(own + mean)
+    return history
+
+
+def _expected(history: list[list[torch.Tensor]], step: int, tau: int) -> list[torch.Tensor]:
+    """The closed form of the module docstring for the parameters after ``step``."""
+    landed = [s for s in range(H, step + 1, H) if s + tau <= step]
+    count = len(SHAPES)
+    own = history[step][:count]
+    if not landed:
+        return own
+    at = history[landed[-1]]
+    return [mean + now - then for mean, now, then in zip(at[count:], own, at[:count], strict=True)]
+
+
+def _settings(method: str, tau: int) -> LocalUpdateSettings:
+    if method == "diloco":
+        return LocalUpdateSettings("diloco", H, 1.0, 0.0, sync_delay=tau)
+    return LocalUpdateSettings(
+        "sparseloco", H, 1.0, 0.0, topk=64, chunk=8, beta=0.0, quant_bits=0, sync_delay=tau
+    )
+
+
+def _closed_form(rank: int, method: str, tau: int) -> dict[str, float]:
+    """Largest gap to the closed form over all steps, to the form without delay (must differ
+    when tau > 0), and whether the synced copies agreed on both ranks at every step."""
+    history = _lone_steps(rank, STEPS)
+    params = random_parameters(SHAPES, 0)
+    inner = torch.optim.AdamW(params, lr=0.05, weight_decay=0.0)
+    wrapped = LocalUpdates(inner, _settings(method, tau))
+    gap = undelayed = 0.0
+    for step in range(1, STEPS + 1):
+        for param, grad in zip(params, random_gradients(SHAPES, step, rank), strict=True):
+            param.grad = grad
+        wrapped.step()
+        pairs = list(zip(params, _expected(history, step, tau), strict=True))
+        gap = max(gap, *[float((p.detach() - e).abs().max()) for p, e in pairs])
+        pairs = list(zip(params, _expected(history, step, 0), strict=True))
+        undelayed = max(undelayed, *[float((p.detach() - e).abs().max()) for p, e in pairs])
+    return {"gap": gap, "undelayed": undelayed, "applied": wrapped.syncs_applied}
+
+
+Trained = tuple[DistributedDataParallel, LocalUpdates]
+
+
+def _build(seed: int, settings: LocalUpdateSettings) -> Trained:
+    ddp = DistributedDataParallel(small_mlp(seed))
+    state = register_local_gradients(ddp)
+    inner = torch.optim.AdamW(parameter_groups(ddp.module, 0.1), lr=0.01)
+    return ddp, build_local_updates(inner, settings, state)
+
+
+def _train(trained: Trained, rank: int, steps: range) -> list[str]:
+    """Steps of this rank's own data; per step the digest of the synced copies."""
+    ddp, optimizer = trained
+    synced = []
+    for step in steps:
+        accumulate_local_batches(ddp, step, rank)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synced.append(digest({str(i): t for i, t in enumerate(optimizer.synced)}))
+    return synced
+
+
+DILOCO = LocalUpdateSettings("diloco", H, 0.7, 0.9, "bfloat16", sync_delay=2)
+SPARSE = LocalUpdateSettings("sparseloco", H, 1.0, 0.0, topk=4, chunk=8, sync_delay=H)
+
+
+def _resume_in_the_delay(rank: int, root: str, settings: LocalUpdateSettings) -> dict[str, object]:
+    """3 windows with a checkpoint inside the delay, flushed at the end; a fresh model (another
+    init) loads the checkpoint and redoes the rest."""
+    trained = _build(5, settings)
+    ddp, optimizer = trained
+    synced = _train(trained, rank, range(SAVE_AT))
+    pending_at_save = optimizer.pending is not None
+    shared = {"train": ModelAndOptimizer(ddp, None), "outer": SyncedState(optimizer)}
+    per_rank = {"optimizer": RankState(optimizer).state_dict()}
+    path = save_checkpoint(Path(root) / settings.method, SAVE_AT, shared, per_rank, {}, keep=1)
+    synced += _train(trained, rank, range(SAVE_AT, STEPS))
+    flushed = optimizer.flush()
+    again = _build(6, settings)
+    fresh, fresh_optimizer = again
+    loaded = {"train": ModelAndOptimizer(fresh, None), "outer": SyncedState(fresh_optimizer)}
+    saved = load_checkpoint(path, loaded)
+    assert saved is not None
+    RankState(fresh_optimizer).load_state_dict(saved["optimizer"])
+    _train(again, rank, range(SAVE_AT, STEPS))
+    fresh_optimizer.flush()
+    return {
+        "pending_at_save": pending_at_save,
+        "flushed": flushed,
+        "synced": synced,
+        "final": flat_parameters(ddp.module),
+        "resumed": flat_parameters(fresh.module),
+        "applied": optimizer.syncs_applied,
+    }
+
+
+END = 2 * H + 1
+"""The trainer runs end one step into their third window: inside the delay."""
+
+
+def _trainer_args(data: str, output: Path, *extra: str) -> list[str]:
+    return tiny_args(
+        Path(data), output,
+        "--model", str(tiny_model_path("llama")), "--seq-length", "16", "--batch-size", "2",
+        "--accumulation-steps", "2", "--warmup-steps", "2", "--log-every", "1",
+        "--eval-every", "0", "--eval-batches", "1", "--local-steps", str(H),
+        "--overlap-exchange", *extra,
+    )  # fmt: skip
+
+
+SPARSE_FLAGS = ("--optimizer", "sparseloco", "--sparseloco-topk", "8")
+DILOCO_FLAGS = ("--optimizer", "diloco", "--sync-delay", "2", "--pseudo-gradient-dtype", "bfloat16")
+
+
+def _run(rank: int, argv: list[str], stop_at: int = 0) -> Trainer:
+    """The real trainer on this process group; ``stop_at``: SIGTERM to this rank during that
+    step's last micro-batch (the loop then saves a checkpoint and returns)."""
+    config = parse_config(argv)
+    env = DistEnv(rank=rank, world_size=WORLD, local_rank=rank, local_world_size=WORLD)
+    trainer = start(config, env, torch.device("cpu"), prepare_inputs(config, env))
+    calls = [0]
+
+    def stop(*_: object) -> None:
+        calls[0] += 1
+        if calls[0] == 2 * stop_at:  # 2 micro-batches per step
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    handle = trainer.model.module.register_forward_hook(stop) if stop_at else None
+    finished = train(trainer)
+    assert finished == (not stop_at)
+    if handle is not None:
+        handle.remove()
+    trainer.metrics.close()
+    return trainer
+
+
+def _state(trainer: Trainer) -> dict[str, object]:
+    """Digests and position of a trainer's run; ``applied`` counts this process's outer steps
+    only (a resumed run loads the ones before), so it stays out of ``same``."""
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, LocalUpdates)
+    same = {
+        "model": digest(dict(trainer.model.module.named_parameters())),
+        "synced": digest({str(i): t for i, t in enumerate(optimizer.synced)}),
+        "pending": optimizer.pending is not None,
+        "step": trainer.step,
+    }
+    return {"same": same, "applied": optimizer.syncs_applied}
+
+
+def _trainer_runs(rank: int, data: str, root: Path) -> dict[str, object]:
+    """SparseLoCo (tau = H): straight to step 7; stopped by SIGTERM at step 4 (a sync pending)
+    and resumed to 7. DiLoCo (tau = 2, bf16 wire): straight to 7 with a checkpoint at 4, and a
+    run resumed from it."""
+    runs: dict[str, object] = {}
+    straight = _trainer_args(data, root / "straight", *SPARSE_FLAGS, "--max-steps", str(END))
+    runs["straight"] = _state(_run(rank, straight))
+    stopped = _trainer_args(data, root / "stopped", *SPARSE_FLAGS, "--max-steps", str(END))
+    runs["stopped"] = _state(_run(rank, stopped, stop_at=SAVE_AT))
+    runs["resumed"] = _state(_run(rank, stopped))
+    diloco = [*DILOCO_FLAGS, "--max-steps", str(END), "--checkpoint-every", str(SAVE_AT)]
+    runs["diloco"] = _state(_run(rank, _trainer_args(data, root / "diloco", *diloco)))
+    checkpoint = root / "diloco" / "checkpoints" / f"step-{SAVE_AT}"
+    again = _trainer_args(data, root / "diloco-resumed", *diloco, "--resume-from", str(checkpoint))
+    runs["diloco_resumed"] = _state(_run(rank, again))
+    return runs
+
+
+def _worker(rank: int, world_size: int, root: str, data: str) -> dict[str, object]:
+    assert world_size == WORLD
+    forms = {
+        f"{method}-{tau}": _closed_form(rank, method, tau)
+        for method in ("diloco", "sparseloco")
+        for tau in (0, 1, 2, H)
+    }
+    return {
+        "forms": forms,
+        "diloco": _resume_in_the_delay(rank, root, DILOCO),
+        "sparse": _resume_in_the_delay(rank, root, SPARSE),
+        "trainer": _trainer_runs(rank, data, Path(root)),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory, sample_data: Path) -> list[dict]:
+    root = tmp_path_factory.mktemp("overlap")
+    return run_distributed(_worker, WORLD, str(root), str(sample_data), timeout=400)
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+@pytest.mark.parametrize("tau", [0, 1, 2, H])
+def test_the_outer_update_lands_tau_steps_late_and_keeps_every_inner_step(
+    ranks: list[dict], method: str, tau: int
+) -> None:
+    for result in ranks:
+        form = result["forms"][f"{method}-{tau}"]
+        assert form["gap"] < 1e-5, "x_r(t) = mean lone(s) + lone_r(t) - lone_r(s)"
+        assert form["applied"] == STEPS // H - (tau > 0), "the last sync is still pending"
+        if tau:
+            assert form["undelayed"] > 1e-3, "the delay shows: not the undelayed parameters"
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparse"])
+def test_synced_copies_agree_and_resume_inside_the_delay_is_bit_exact(
+    ranks: list[dict], method: str
+) -> None:
+    first, second = (result[method] for result in ranks)
+    assert first["pending_at_save"] and second["pending_at_save"], "saved inside the delay"
+    assert first["flushed"] and first["applied"] == STEPS // H
+    assert first["synced"] == second["synced"], "every rank holds the same synced copy"
+    for result in (first, second):
+        assert torch.equal(result["final"], result["resumed"])
+    assert torch.equal(first["final"], second["final"]), "flushed at a window's end: synced"
+
+
+def test_trainer_stop_inside_the_delay_loses_nothing(ranks: list[dict]) -> None:
+    for result in ranks:
+        runs = result["trainer"]
+        stopped, straight = runs["stopped"]["same"], runs["straight"]["same"]
+        assert stopped["step"] == SAVE_AT and stopped["pending"], "stopped inside the delay"
+        assert runs["resumed"]["same"] == straight
+        assert runs["straight"]["applied"] == END // H and not straight["pending"]
+    synced = [result["trainer"]["straight"]["same"]["synced"] for result in ranks]
+    assert synced[0] == synced[1]
+
+
+def test_trainer_resume_from_a_checkpoint_inside_the_delay_is_bit_exact(
+    ranks: list[dict],
+) -> None:
+    for result in ranks:
+        runs = result["trainer"]
+        assert runs["diloco_resumed"]["same"] == runs["diloco"]["same"]
+        assert runs["diloco"]["applied"] == END // H and not runs["diloco"]["same"]["pending"]
+
+
+def test_plan_hides_a_sync_behind_tau_steps() -> None:
+    """compute + max(0, sync - tau x compute) / H per step; undelayed: compute + sync / H."""
+    topo = Topology(16, 8, 2400e9, 1e9)
+    sync, per_step = local_update_estimates("all_reduce", 1e9, 50, topo, sync_delay=20)
+    _, waiting = local_update_estimates("all_reduce", 1e9, 50, topo)
+    compute = 0.1
+    assert per_step.seconds == pytest.approx(waiting.seconds)
+    expected = compute + max(0.0, sync.seconds - 20 * compute) / 50
+    assert predicted_step_seconds(per_step, compute) == pytest.approx(expected)
+    assert predicted_step_seconds(waiting, compute) == pytest.approx(compute + sync.seconds / 50)
+    assert predicted_step_seconds(per_step, 10.0) == pytest.approx(10.0), "hidden entirely"
+
+
+def test_memory_rows_keep_the_start_and_the_pseudo_gradient_in_flight() -> None:
+    shapes = [(100, 10)]
+    waiting = memory_rows(LocalUpdateSettings("diloco", 10), shapes, 8)
+    overlapped = memory_rows(LocalUpdateSettings("diloco", 10, sync_delay=10), shapes, 8, 2)
+    kept = {row.name: row.nbytes for row in overlapped if row.persistent}
+    assert kept["parameters at the sync's start (overlap)"] == 2 * 1000
+    assert kept["sync: pseudo-gradient (fp32)"] == 4 * 1000
+    assert not any(row.persistent for row in waiting if row.name.startswith("sync:"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--optimizer", "diloco", "--sync-delay", "2"], "--sync-delay"),
+        (["--optimizer", "diloco", "--overlap-exchange", "--sync-delay", "-1"], "--sync-delay"),
+        (["--overlap-exchange"], "does nothing for adamw"),
+    ],
+)
+def test_overlap_options_are_refused_in_one_line(flags: list[str], needle: str) -> None:
+    with pytest.raises(UserError, match=needle) as error:
+        parse_config(["--model", "x", *flags])
+    assert "\n" not in str(error.value)
+
+
+def test_a_delay_longer_than_a_window_is_refused(sample_data: Path, tmp_path: Path) -> None:
+    argv = _trainer_args(str(sample_data), tmp_path, *DILOCO_FLAGS[:2], "--sync-delay", "4")
+    config = parse_config(argv)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    with pytest.raises(UserError, match="--sync-delay") as error:
+        prepare_inputs(config, env)
+    assert "\n" not in str(error.value)
