@@ -67,7 +67,8 @@ def _node_aware(variant: Variant) -> Variant:
 
 
 def _overlapped(variant: Variant) -> Variant:
-    """DeMo ``variant`` with ``--overlap-exchange`` (name suffix ``-overlap``)."""
+    """DeMo, DiLoCo or SparseLoCo ``variant`` with ``--overlap-exchange`` (name suffix
+    ``-overlap``; DiLoCo and SparseLoCo: the outer update one whole window late)."""
     flags = (*variant.flags, "--overlap-exchange")
     label = f"{variant.label}, overlapped"
     name = f"{variant.name}-overlap"
@@ -167,6 +168,9 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _local("diloco", 125, "bfloat16"),
         *(_local("sparseloco", steps) for steps in (25, 50, 125)),
         _node_aware(_local("sparseloco", 25)),
+        _overlapped(_local("diloco", 50)),
+        _overlapped(_local("sparseloco", 25)),
+        _overlapped(_node_aware(_local("sparseloco", 25))),
         _local("sparseloco", 125, topk=256),
     ]
     return {variant.name: variant for variant in variants}
