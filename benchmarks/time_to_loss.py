@@ -237,18 +237,26 @@ def run_on_link(nodes: TwoNodes, train: list[str], run_dir: Path, port: int) -> 
     return time.monotonic() - began
 
 
+def overlapped_sync(variant: Variant) -> bool:
+    """Whether ``variant`` is DiLoCo or SparseLoCo with ``--overlap-exchange``: its sync is
+    waited for one window later, so the first window never waits."""
+    return variant.period > 1 and "--overlap-exchange" in variant.flags
+
+
 def timed_steps(args: argparse.Namespace, variant: Variant) -> int:
     """``--steps``, rounded up to whole sync periods for DiLoCo/SparseLoCo (every ``H``
-    consecutive steps hold one sync)."""
-    return math.ceil(args.steps / variant.period) * variant.period
+    consecutive steps hold one sync), plus one more period for an overlapped sync."""
+    periods = math.ceil(args.steps / variant.period) + overlapped_sync(variant)
+    return periods * variant.period
 
 
 def step_seconds(times: list[float], warmup: int, variant: Variant) -> float:
     """Median step time after ``warmup``; for DiLoCo/SparseLoCo the mean over whole periods,
-    so that the sync step counts once per ``H`` steps."""
+    so that the sync step counts once per ``H`` steps (overlapped: over the periods after the
+    first, whose last step waits for the previous sync, as every window's after it does)."""
     if variant.period == 1:
         return median_after(times, warmup)
-    timed = times[warmup:]
+    timed = times[variant.period + warmup :] if overlapped_sync(variant) else times[warmup:]
     return sum(timed) / len(timed)
 
 

@@ -23,7 +23,9 @@ from time_to_loss import (
     rerun_args,
     seconds_at,
     seed_curves,
+    step_seconds,
     steps_to,
+    timed_steps,
 )
 
 
@@ -141,3 +143,17 @@ def test_compare_rerun_checks_losses_total_time_and_time_to_target() -> None:
     # both reach 5.5 at step 3: 0.2 + 0.2 + 0.3 = 0.7 s against 3 x 0.25 = 0.75 s
     assert "at step 3 after 1 s of steps; composed: 3 steps x 0.250 s = 1 s (-7%)" in text
     assert "did not reach" in compare_rerun(rerun, frontier, 4.0, 0.25)
+
+
+def test_an_overlapped_sync_is_timed_over_the_windows_that_wait() -> None:
+    """DiLoCo H 50 overlapped: 2 windows after the warm-up; the mean over the second, whose last
+    step (100) waits for the sync started at step 50, not over the first, which never waits."""
+    overlapped, waiting = pick_variants("diloco-h50-overlap,diloco-h50", 64)
+    args = argparse.Namespace(steps=8)
+    assert (timed_steps(args, overlapped), timed_steps(args, waiting)) == (100, 50)
+    warmup = 3
+    times = [1.0] * (warmup + 100)
+    times[50 - 1] = 5.0  # step 50: the first sync starts (compression only)
+    times[100 - 1] = 20.0  # step 100: waits for it and starts the next
+    assert step_seconds(times, warmup, overlapped) == pytest.approx((49 + 20) / 50)
+    assert step_seconds(times[: warmup + 50], warmup, waiting) == pytest.approx((49 + 5) / 50)
