@@ -10,10 +10,15 @@ One spawn of 2 real gloo ranks runs:
   ``s`` the last sync start whose outer update has landed (``s + tau <= t``). It checks the delay
   (the update lands ``tau`` steps after the start, not sooner) and the rebase (no inner step is
   lost). SparseLoCo that sends everything is DiLoCo with plain SGD, so it has the same form;
-- a small DDP model over 3 windows with a checkpoint inside the delay, resumed by a fresh model;
-- the real trainer on the tiny LLaMA: SparseLoCo stopped by SIGTERM inside the delay and
-  resumed, DiLoCo resumed from a periodic checkpoint inside its delay, both against straight runs
-  that end inside a delay (the flush applies it).
+- a small DDP model over 3 windows with a checkpoint inside the delay (DiLoCo one step after a
+  sync started, SparseLoCo at a window's end, the sync just started and still on the wire),
+  resumed by a fresh model;
+- the real trainer on the tiny LLaMA: SparseLoCo on bf16 parameters stopped by SIGTERM inside
+  the delay and resumed, DiLoCo resumed from a periodic checkpoint inside its delay, both against
+  straight runs that end inside a delay (the flush applies it).
+
+Then 4 ranks as 2 nodes x 2 check the closed form of node-aware SparseLoCo (nodes as replicas),
+and one rank resumes the SIGTERM checkpoint at another world size.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from torchrun_ddp.compression.plan import (
     predicted_step_seconds,
 )
 from torchrun_ddp.config_io import parse_config
-from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.distributed import DistEnv, NodeGroups, new_node_groups
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import start, train
 from torchrun_ddp.optimizer import parameter_groups
@@ -67,22 +72,23 @@ SAVE_AT = H + 1
 """One step after the second window's start: inside the delay for tau = 2 and tau = H."""
 
 
-def _lone_steps(rank: int, steps: int) -> list[list[torch.Tensor]]:
-    """Parameters after each step 0..steps of AdamW alone (no weight decay) on this rank's
-    gradients, and (appended) their mean over ranks: [t] -> [own..., mean...]."""
+def _lone_steps(replica: int, steps: int) -> list[list[torch.Tensor]]:
+    """Parameters after each step 0..steps of AdamW alone (no weight decay) on this replica's
+    gradients, and (appended) their mean over all ranks (over replicas: every node's ranks are
+    one replica with the same gradients): [t] -> [own..., mean...]."""
     params = random_parameters(SHAPES, 0)
     adamw = torch.optim.AdamW(params, lr=0.05, weight_decay=0.0)
     history = []
     for step in range(steps + 1):
         if step:
-            for param, grad in zip(params, random_gradients(SHAPES, step, rank), strict=True):
+            for param, grad in zip(params, random_gradients(SHAPES, step, replica), strict=True):
                 param.grad = grad
             adamw.step()
         own = [p.detach().clone() for p in params]
         mean = [p.clone() for p in own]
         for tensor in mean:
             dist.all_reduce(tensor)
-            tensor.div_(WORLD)
+            tensor.div_(dist.get_world_size())
         history.append(own + mean)
     return history
 
@@ -106,16 +112,20 @@ def _settings(method: str, tau: int) -> LocalUpdateSettings:
     )
 
 
-def _closed_form(rank: int, method: str, tau: int) -> dict[str, float]:
-    """Largest gap to the closed form over all steps, to the form without delay (must differ
-    when tau > 0), and whether the synced copies agreed on both ranks at every step."""
-    history = _lone_steps(rank, STEPS)
+def _closed_form(
+    rank: int, method: str, tau: int, groups: NodeGroups | None = None
+) -> dict[str, float]:
+    """Largest gap to the closed form over all steps and to the form without delay (must differ
+    when tau > 0), and the outer updates applied. ``groups``: node-aware SparseLoCo, every node
+    one replica (its ranks get the node's gradients, as the node-mean hook would give them)."""
+    replica = rank // groups.local_world_size if groups else rank
+    history = _lone_steps(replica, STEPS)
     params = random_parameters(SHAPES, 0)
     inner = torch.optim.AdamW(params, lr=0.05, weight_decay=0.0)
-    wrapped = LocalUpdates(inner, _settings(method, tau))
+    wrapped = LocalUpdates(inner, _settings(method, tau), node_groups=groups)
     gap = undelayed = 0.0
     for step in range(1, STEPS + 1):
-        for param, grad in zip(params, random_gradients(SHAPES, step, rank), strict=True):
+        for param, grad in zip(params, random_gradients(SHAPES, step, replica), strict=True):
             param.grad = grad
         wrapped.step()
         pairs = list(zip(params, _expected(history, step, tau), strict=True))
@@ -151,17 +161,29 @@ DILOCO = LocalUpdateSettings("diloco", H, 0.7, 0.9, "bfloat16", sync_delay=2)
 SPARSE = LocalUpdateSettings("sparseloco", H, 1.0, 0.0, topk=4, chunk=8, sync_delay=H)
 
 
-def _resume_in_the_delay(rank: int, root: str, settings: LocalUpdateSettings) -> dict[str, object]:
-    """3 windows with a checkpoint inside the delay, flushed at the end; a fresh model (another
-    init) loads the checkpoint and redoes the rest."""
+def _in_flight(optimizer: LocalUpdates) -> bool:
+    """Whether a sync's collective was started and not yet waited for."""
+    pending = optimizer.pending
+    if pending is None:
+        return False
+    return pending.work is not None or (
+        pending.flight is not None and pending.flight.work is not None
+    )
+
+
+def _resume_in_the_delay(
+    rank: int, root: str, settings: LocalUpdateSettings, save_at: int
+) -> dict[str, object]:
+    """3 windows with a checkpoint inside the delay (after step ``save_at``), flushed at the
+    end; a fresh model (another init) loads the checkpoint and redoes the rest."""
     trained = _build(5, settings)
     ddp, optimizer = trained
-    synced = _train(trained, rank, range(SAVE_AT))
-    pending_at_save = optimizer.pending is not None
+    synced = _train(trained, rank, range(save_at))
+    in_flight, position = _in_flight(optimizer), optimizer.position
     shared = {"train": ModelAndOptimizer(ddp, None), "outer": SyncedState(optimizer)}
     per_rank = {"optimizer": RankState(optimizer).state_dict()}
-    path = save_checkpoint(Path(root) / settings.method, SAVE_AT, shared, per_rank, {}, keep=1)
-    synced += _train(trained, rank, range(SAVE_AT, STEPS))
+    path = save_checkpoint(Path(root) / settings.method, save_at, shared, per_rank, {}, keep=1)
+    synced += _train(trained, rank, range(save_at, STEPS))
     flushed = optimizer.flush()
     again = _build(6, settings)
     fresh, fresh_optimizer = again
@@ -169,10 +191,11 @@ def _resume_in_the_delay(rank: int, root: str, settings: LocalUpdateSettings) ->
     saved = load_checkpoint(path, loaded)
     assert saved is not None
     RankState(fresh_optimizer).load_state_dict(saved["optimizer"])
-    _train(again, rank, range(SAVE_AT, STEPS))
+    _train(again, rank, range(save_at, STEPS))
     fresh_optimizer.flush()
     return {
-        "pending_at_save": pending_at_save,
+        "in_flight_at_save": in_flight,
+        "position_at_save": position,
         "flushed": flushed,
         "synced": synced,
         "final": flat_parameters(ddp.module),
@@ -195,7 +218,7 @@ def _trainer_args(data: str, output: Path, *extra: str) -> list[str]:
     )  # fmt: skip
 
 
-SPARSE_FLAGS = ("--optimizer", "sparseloco", "--sparseloco-topk", "8")
+SPARSE_FLAGS = ("--optimizer", "sparseloco", "--sparseloco-topk", "8", "--precision", "bf16")
 DILOCO_FLAGS = ("--optimizer", "diloco", "--sync-delay", "2", "--pseudo-gradient-dtype", "bfloat16")
 
 
@@ -262,16 +285,55 @@ def _worker(rank: int, world_size: int, root: str, data: str) -> dict[str, objec
     }
     return {
         "forms": forms,
-        "diloco": _resume_in_the_delay(rank, root, DILOCO),
-        "sparse": _resume_in_the_delay(rank, root, SPARSE),
+        "diloco": _resume_in_the_delay(rank, root, DILOCO, SAVE_AT),
+        "sparse": _resume_in_the_delay(rank, root, SPARSE, H),
         "trainer": _trainer_runs(rank, data, Path(root)),
     }
 
 
+def _aware_worker(rank: int, world_size: int) -> dict[str, object]:
+    """Node-aware SparseLoCo on 2 nodes x 2 ranks: the closed form with nodes as replicas."""
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank % 2, local_world_size=2)
+    groups = new_node_groups(env)
+    return {f"sparseloco-{tau}": _closed_form(rank, "sparseloco", tau, groups) for tau in (0, H)}
+
+
+def _elastic_worker(rank: int, world_size: int, root: str, data: str) -> dict[str, object]:
+    """One rank resumes the SIGTERM checkpoint of the 2-rank SparseLoCo run (a sync pending)."""
+    checkpoint = Path(root) / "stopped" / "checkpoints" / f"step-{SAVE_AT}"
+    argv = _trainer_args(data, Path(root) / "elastic", *SPARSE_FLAGS, "--max-steps", str(END))
+    config = parse_config([*argv, "--resume-from", str(checkpoint)])
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    trainer = start(config, env, torch.device("cpu"), prepare_inputs(config, env))
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, LocalUpdates)
+    pairs = zip(optimizer.trained, optimizer.synced, strict=True)
+    return {
+        "synced": digest({str(i): t for i, t in enumerate(optimizer.synced)}),
+        "position": optimizer.position,
+        "pending": optimizer.pending is not None,
+        "from_synced": all(torch.equal(p.detach(), s.to(p.dtype)) for p, s in pairs),
+    }
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory, sample_data: Path) -> list[dict]:
-    root = tmp_path_factory.mktemp("overlap")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("overlap")
+
+
+@pytest.fixture(scope="module")
+def ranks(root: Path, sample_data: Path) -> list[dict]:
     return run_distributed(_worker, WORLD, str(root), str(sample_data), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def aware() -> list[dict]:
+    return run_distributed(_aware_worker, 4, timeout=200)
+
+
+@pytest.fixture(scope="module")
+def elastic(ranks: list[dict], root: Path, sample_data: Path) -> dict:
+    return run_distributed(_elastic_worker, 1, str(root), str(sample_data), timeout=200)[0]
 
 
 @pytest.mark.parametrize("method", ["diloco", "sparseloco"])
@@ -292,7 +354,8 @@ def test_synced_copies_agree_and_resume_inside_the_delay_is_bit_exact(
     ranks: list[dict], method: str
 ) -> None:
     first, second = (result[method] for result in ranks)
-    assert first["pending_at_save"] and second["pending_at_save"], "saved inside the delay"
+    assert first["in_flight_at_save"] and second["in_flight_at_save"], "the sync was left running"
+    assert first["position_at_save"] == (0 if method == "sparse" else 1), "a window's end, or not"
     assert first["flushed"] and first["applied"] == STEPS // H
     assert first["synced"] == second["synced"], "every rank holds the same synced copy"
     for result in (first, second):
@@ -320,6 +383,25 @@ def test_trainer_resume_from_a_checkpoint_inside_the_delay_is_bit_exact(
         assert runs["diloco"]["applied"] == END // H and not runs["diloco"]["same"]["pending"]
 
 
+@pytest.mark.parametrize("tau", [0, H])
+def test_node_aware_sparseloco_overlaps_with_nodes_as_replicas(aware: list[dict], tau: int) -> None:
+    for result in aware:
+        form = result[f"sparseloco-{tau}"]
+        assert form["gap"] < 1e-5, "x_r(t) = mean lone(s) + lone_node(t) - lone_node(s)"
+        assert form["applied"] == STEPS // H - (tau > 0)
+        if tau:
+            assert form["undelayed"] > 1e-3
+
+
+def test_resume_at_another_world_size_keeps_the_pending_outer_update(
+    ranks: list[dict], elastic: dict
+) -> None:
+    stopped = ranks[0]["trainer"]["stopped"]["same"]
+    assert elastic["synced"] == stopped["synced"], "the settled outer step carried over"
+    assert elastic["position"] == SAVE_AT - H and not elastic["pending"]
+    assert elastic["from_synced"], "the rebase is dropped with the local progress"
+
+
 def test_plan_hides_a_sync_behind_tau_steps() -> None:
     """compute + max(0, sync - tau x compute) / H per step; undelayed: compute + sync / H."""
     topo = Topology(16, 8, 2400e9, 1e9)
@@ -331,6 +413,19 @@ def test_plan_hides_a_sync_behind_tau_steps() -> None:
     assert predicted_step_seconds(per_step, compute) == pytest.approx(expected)
     assert predicted_step_seconds(waiting, compute) == pytest.approx(compute + sync.seconds / 50)
     assert predicted_step_seconds(per_step, 10.0) == pytest.approx(10.0), "hidden entirely"
+
+
+def test_plan_never_hides_node_aware_work_inside_the_node() -> None:
+    """Node-aware SparseLoCo: the sharing inside the node and the per-step all-reduce stay."""
+    topo = Topology(16, 8, 100e9, 1e9)
+    sync, per_step = local_update_estimates("all_gather", 1e8, 30, topo, 10**8, sync_delay=30)
+    uplink_s = sync.uplink_bytes * 8 / topo.inter_bits_per_s
+    inside_s, every_s = sync.seconds - uplink_s, per_step.seconds - sync.seconds / 30
+    assert inside_s > 0 and every_s > 0
+    compute = 0.05
+    expected = compute + (max(0.0, uplink_s - 30 * compute) + inside_s) / 30 + every_s
+    assert predicted_step_seconds(per_step, compute) == pytest.approx(expected)
+    assert predicted_step_seconds(per_step, 100.0) == pytest.approx(100.0 + inside_s / 30 + every_s)
 
 
 def test_memory_rows_keep_the_start_and_the_pseudo_gradient_in_flight() -> None:

@@ -335,12 +335,25 @@ def build_trainer_optimizer(
             return adamw
         settings = local_update_settings(config)
         log.info("local updates: %s", describe_local_updates(settings))
-        return build_local_updates(adamw, settings, compression)
+        group = exchange_group(config, compression)
+        return build_local_updates(adamw, settings, compression, group)
     demo = DemoSettings(
         config.demo_beta, config.demo_topk, config.demo_tile_size, config.demo_value_dtype
     )
     groups = parameter_groups(model, config.weight_decay)
-    return build_demo(groups, config.learning_rate, demo, compression, config.overlap_exchange)
+    overlap, group = config.overlap_exchange, exchange_group(config, compression)
+    return build_demo(groups, config.learning_rate, demo, compression, overlap, group)
+
+
+def exchange_group(config: TrainConfig, compression: CompressionState) -> dist.ProcessGroup | None:
+    """A process group of its own (all ranks; collective: every rank builds it) for a flat
+    exchange that stays in flight across steps (--overlap-exchange), so that the loop's own
+    collectives (the log step's all-reduce, evaluation) do not queue behind it on the same
+    connections; None (the compression state's group) otherwise. Node-aware exchanges already
+    cross the uplinks in their own inter-node group."""
+    if not config.overlap_exchange or compression.node_groups is not None:
+        return None
+    return dist.new_group() if dist.is_initialized() else None
 
 
 def flops_per_token(

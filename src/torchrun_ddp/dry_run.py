@@ -155,7 +155,8 @@ def local_update_memory(
     if config.optimizer not in LOCAL_UPDATE_METHODS:
         return []
     shapes = trained_shapes(config, model_config)
-    param_bytes = 2 if config.precision == "bf16" else 4  # bf16: bf16 parameters
+    bf16 = config.precision == "bf16" and config.peft == "none"  # LoRA adapters stay fp32
+    param_bytes = 2 if bf16 else 4
     return memory_rows(local_update_settings(config), shapes, world_size, param_bytes)
 
 

@@ -289,8 +289,10 @@ class LogWindow:
 
     ``tokens_per_step``: tokens trained per optimizer step over all ranks; ``flops_per_token``:
     training FLOPs per token (PaLM appendix B); ``peak_flops_total``: peak FLOP/s of all ranks
-    (inf when unknown: MFU then reads 0). Times count the steps and data reading, not evaluation
-    or saving, so tokens/s and MFU describe training.
+    (inf when unknown: MFU then reads 0). Times count the steps, data reading and the log step's
+    all-reduce (which waits for the device's queued work and for a delayed exchange still on the
+    links, so a window's seconds are wall-clock), not evaluation or saving, so tokens/s and MFU
+    describe training.
     """
 
     def __init__(
@@ -334,9 +336,11 @@ class LogWindow:
     def flush(self, step: int, lr: float, flags: list[bool]) -> tuple[Record, list[bool]]:
         """Collective: the window's record (loss averaged over ranks) and ``flags`` OR-ed over
         ranks, in one all-reduce (SUM) of ``[loss, *flags]``; then reset. Needs >= 1 step."""
+        began = time.perf_counter()
         summed = torch.stack([self.loss / self.steps, *(self.loss.new_tensor(f) for f in flags)])
         torch.distributed.all_reduce(summed)
         values = summed.tolist()
+        self.step_time += time.perf_counter() - began
         tokens_per_s = self.tokens_per_step * self.steps / self.step_time
         wire, dense, collective = (total // self.steps for total in self.comm)
         record: Record = {

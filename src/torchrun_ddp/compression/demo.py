@@ -481,15 +481,17 @@ def build_demo(
     settings: DemoSettings,
     state: CompressionState,
     overlap: bool = False,
+    process_group: dist.ProcessGroup | None = None,
 ) -> DeMo:
     """DeMo over ``param_groups`` (``optimizer.parameter_groups``: decoupled weight decay on
-    matrices only), exchanging in ``state``'s process group (node-aware when ``state`` has node
-    groups) and counting its bytes there; ``overlap``: see :class:`DeMo`."""
+    matrices only), exchanging in ``process_group`` (default: ``state``'s; node-aware when
+    ``state`` has node groups) and counting its bytes in ``state``; ``overlap``: see
+    :class:`DeMo`."""
     return DeMo(
         param_groups,
         learning_rate,
         settings,
-        process_group=state.process_group,
+        process_group=process_group or state.process_group,
         counter=state.count,
         node_groups=state.node_groups,
         overlap=overlap,

@@ -44,8 +44,9 @@ def memory_rows(
     parameter (it compresses one parameter at a time).
 
     With a sync delay (``--overlap-exchange``) the rank also keeps its parameters at the sync's
-    start (``param_bytes`` N, the parameter dtype), and DiLoCo's pseudo-gradient and wire copy
-    stay alive while the exchange runs, so they count as kept."""
+    start (``param_bytes`` N, the parameter dtype), and DiLoCo's pseudo-gradient and wire copy or
+    SparseLoCo's own and gathered messages stay alive while the exchange runs, so they count as
+    kept."""
     sizes = [math.prod(shape) for shape in shapes]
     numel = sum(sizes)
     delayed = settings.sync_delay > 0
@@ -65,4 +66,7 @@ def memory_rows(
     work = SPARSELOCO_WORK_COPIES * 4 * max(sizes, default=0)
     temporary = 4 * numel + (1 + world_size) * payload + work
     rows.append(MemoryRow("sync: mean pseudo-gradient, messages, chunk work", temporary, False))
+    if delayed:
+        in_flight = (1 + world_size) * payload
+        rows.append(MemoryRow("own and gathered messages in flight (overlap)", in_flight, True))
     return rows

@@ -172,7 +172,7 @@ class RankState:
         optimizer = self.optimizer
         self.load_inner(state_dict)
         dropped = []
-        if optimizer.position or state_dict.get("sync_start"):
+        if optimizer.position:
             dropped.append(
                 f"the {optimizer.position} local steps since the last sync started (every rank "
                 "restarts from the synced parameters, a pending outer update applied)"

@@ -435,9 +435,13 @@ class LocalUpdates(Optimizer):
 
 
 def build_local_updates(
-    inner: Optimizer, settings: LocalUpdateSettings, state: CompressionState
+    inner: Optimizer,
+    settings: LocalUpdateSettings,
+    state: CompressionState,
+    process_group: dist.ProcessGroup | None = None,
 ) -> LocalUpdates:
-    """:class:`LocalUpdates` around ``inner``, syncing in ``state``'s process group and counting
-    its bytes there (``state``: :func:`.demo.register_local_gradients`'s; node-aware when it
-    has node groups)."""
-    return LocalUpdates(inner, settings, state.process_group, state.count, state.node_groups)
+    """:class:`LocalUpdates` around ``inner``, syncing in ``process_group`` (default: ``state``'s)
+    and counting its bytes in ``state`` (:func:`.demo.register_local_gradients`'s; node-aware
+    when it has node groups)."""
+    group = process_group or state.process_group
+    return LocalUpdates(inner, settings, group, state.count, state.node_groups)
