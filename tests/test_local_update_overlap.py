@@ -276,7 +276,7 @@ def _trainer_runs(rank: int, data: str, root: Path) -> dict[str, object]:
     return runs
 
 
-def _worker(rank: int, world_size: int, root: str, data: str) -> dict[str, object]:
+def _worker(rank: int, world_size: int, root: str) -> dict[str, object]:
     assert world_size == WORLD
     forms = {
         f"{method}-{tau}": _closed_form(rank, method, tau)
@@ -287,8 +287,12 @@ def _worker(rank: int, world_size: int, root: str, data: str) -> dict[str, objec
         "forms": forms,
         "diloco": _resume_in_the_delay(rank, root, DILOCO, SAVE_AT),
         "sparse": _resume_in_the_delay(rank, root, SPARSE, H),
-        "trainer": _trainer_runs(rank, data, Path(root)),
     }
+
+
+def _trainer_worker(rank: int, world_size: int, root: str, data: str) -> dict[str, object]:
+    assert world_size == WORLD
+    return _trainer_runs(rank, data, Path(root))
 
 
 def _aware_worker(rank: int, world_size: int) -> dict[str, object]:
@@ -322,8 +326,13 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ranks(root: Path, sample_data: Path) -> list[dict]:
-    return run_distributed(_worker, WORLD, str(root), str(sample_data), timeout=400)
+def ranks(root: Path) -> list[dict]:
+    return run_distributed(_worker, WORLD, str(root), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trainer(root: Path, sample_data: Path) -> list[dict]:
+    return run_distributed(_trainer_worker, WORLD, str(root), str(sample_data), timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +341,7 @@ def aware() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def elastic(ranks: list[dict], root: Path, sample_data: Path) -> dict:
+def elastic(trainer: list[dict], root: Path, sample_data: Path) -> dict:
     return run_distributed(_elastic_worker, 1, str(root), str(sample_data), timeout=200)[0]
 
 
@@ -363,26 +372,27 @@ def test_synced_copies_agree_and_resume_inside_the_delay_is_bit_exact(
     assert torch.equal(first["final"], second["final"]), "flushed at a window's end: synced"
 
 
-def test_trainer_stop_inside_the_delay_loses_nothing(ranks: list[dict]) -> None:
-    for result in ranks:
-        runs = result["trainer"]
+@pytest.mark.slow  # real trainer runs
+def test_trainer_stop_inside_the_delay_loses_nothing(trainer: list[dict]) -> None:
+    for runs in trainer:
         stopped, straight = runs["stopped"]["same"], runs["straight"]["same"]
         assert stopped["step"] == SAVE_AT and stopped["pending"], "stopped inside the delay"
         assert runs["resumed"]["same"] == straight
         assert runs["straight"]["applied"] == END // H and not straight["pending"]
-    synced = [result["trainer"]["straight"]["same"]["synced"] for result in ranks]
+    synced = [runs["straight"]["same"]["synced"] for runs in trainer]
     assert synced[0] == synced[1]
 
 
+@pytest.mark.slow  # real trainer runs
 def test_trainer_resume_from_a_checkpoint_inside_the_delay_is_bit_exact(
-    ranks: list[dict],
+    trainer: list[dict],
 ) -> None:
-    for result in ranks:
-        runs = result["trainer"]
+    for runs in trainer:
         assert runs["diloco_resumed"]["same"] == runs["diloco"]["same"]
         assert runs["diloco"]["applied"] == END // H and not runs["diloco"]["same"]["pending"]
 
 
+@pytest.mark.slow  # 4 spawned ranks
 @pytest.mark.parametrize("tau", [0, H])
 def test_node_aware_sparseloco_overlaps_with_nodes_as_replicas(aware: list[dict], tau: int) -> None:
     for result in aware:
@@ -393,10 +403,11 @@ def test_node_aware_sparseloco_overlaps_with_nodes_as_replicas(aware: list[dict]
             assert form["undelayed"] > 1e-3
 
 
+@pytest.mark.slow  # resumes a real trainer run's checkpoint
 def test_resume_at_another_world_size_keeps_the_pending_outer_update(
-    ranks: list[dict], elastic: dict
+    trainer: list[dict], elastic: dict
 ) -> None:
-    stopped = ranks[0]["trainer"]["stopped"]["same"]
+    stopped = trainer[0]["stopped"]["same"]
     assert elastic["synced"] == stopped["synced"], "the settled outer step carried over"
     assert elastic["position"] == SAVE_AT - H and not elastic["pending"]
     assert elastic["from_synced"], "the rebase is dropped with the local progress"
