@@ -398,17 +398,23 @@ def _speedup(dense: float, total: float) -> str:
 def draw(path: Path, variants: list[Variant], curves: Curves, timing: Timing, step: int) -> None:
     """Held-out loss minus the method's target (dense AdamW's at ``step``, same seeds and
     held-out set) against wall-clock seconds, one line per method, one panel per link: a line
-    crosses 0 where the method reaches dense's loss."""
+    crosses 0 where the method reaches dense's loss. Colours from the 20-colour ``tab20`` map
+    (distinct up to 20 methods); overlapped methods dashed."""
     links = list(timing.measured)
     figure, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.8), squeeze=False)
+    colours = plt.get_cmap("tab20").colors
     for axis, spec in zip(axes[0], links, strict=True):
-        for variant in variants:
+        for index, variant in enumerate(variants):
             curve, target = curves.by_method.get(variant.name), curves.target(variant.name)
             if not curve:
                 continue
             seconds = timing.seconds[(spec, variant.name)]
             points = [(n * seconds, loss - target) for n, loss in curve.items() if n > 0]
-            axis.plot(*zip(*points, strict=True), marker=".", label=variant.label)
+            style = "--" if "--overlap-exchange" in variant.flags else "-"
+            colour = colours[index % len(colours)]
+            axis.plot(
+                *zip(*points, strict=True), style, marker=".", color=colour, label=variant.label
+            )
         axis.axhline(0.0, color="grey", linestyle="--", linewidth=0.8)
         axis.set(title=f"link {spec}", xlabel="wall-clock seconds (log)")
         axis.set(ylabel=f"held-out loss - dense AdamW's at step {step}")
