@@ -46,14 +46,17 @@ def _args(sample_data: Path, output_dir: Path) -> list[str]:
 
 
 RDZV = (
-    "--max-restarts=3",
+    "--max-restarts=1",
     "--rdzv-id=elastic-test",
     "--rdzv-conf=join_timeout=120,last_call_timeout=8,keep_alive_interval=1,"
     "keep_alive_max_attempt=3",
     "--monitor-interval=0.5",
 )
-"""Short rendezvous timeouts: a dead agent is dropped after 3 missed 1 s heartbeats; a round
-waits 8 s for more agents once one is there (so the second agent joins the first round)."""
+"""One restart for the one injected fault (the killed agent fails the survivor's worker); the
+third agent's join is a membership change, which torchrun does not count against
+--max-restarts. Short rendezvous timeouts: a dead agent is dropped after 3 missed 1 s
+heartbeats; a round waits 8 s for more agents once one is there (so the second agent joins the
+first round)."""
 
 
 def _descendants(pid: int) -> list[int]:
@@ -146,7 +149,7 @@ def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) ->
     losses = _losses(tmp_path)
     assert sorted(losses) == list(range(1, STEPS + 1))
     resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log_a)]
-    assert len(resumed) >= 2, log_a[-4000:]
+    assert len(resumed) == 2, log_a[-4000:]  # one after the kill, one after the join
     for step in resumed:
         assert losses[step + 1] < losses[1] - 0.5, (step, losses)  # not an untrained model
         assert abs(losses[step + 1] - losses[step]) < 1.0, (step, losses)
