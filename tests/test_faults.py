@@ -62,13 +62,28 @@ def _losses(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
-@pytest.fixture(scope="module")
-def straight(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted reference run, shared by the fault cases."""
-    output_dir = tmp_path_factory.mktemp("straight")
-    result = _run(_args(sample_data, output_dir))
+SMALL = ("--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"))
+"""The hidden-64 LLaMA (48 MiB checkpoints instead of the 19.5M model's 225 MiB) for the
+step-driven faults, whose moments do not depend on how long a step takes. The signal tests keep
+the 19.5M model: its slower steps leave the signal time to land before the run's end."""
+
+
+def _straight(sample_data: Path, output_dir: Path, *extra: str) -> Path:
+    result = _run(_args(sample_data, output_dir, *extra))
     assert result.returncode == 0, result.stderr[-3000:]
     return output_dir
+
+
+@pytest.fixture(scope="module")
+def straight(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted reference run of the signal test (19.5M model)."""
+    return _straight(sample_data, tmp_path_factory.mktemp("straight"))
+
+
+@pytest.fixture(scope="module")
+def straight_small(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted reference run of the injected faults (``SMALL``)."""
+    return _straight(sample_data, tmp_path_factory.mktemp("straight-small"), *SMALL)
 
 
 def _assert_same_run(got: Path, expected: Path, steps: int = STEPS) -> None:
@@ -83,17 +98,17 @@ def _assert_same_run(got: Path, expected: Path, steps: int = STEPS) -> None:
 
 @pytest.mark.timeout(1500)
 def test_sigkill_at_every_point_on_either_rank_ends_bit_identical(
-    sample_data: Path, tmp_path: Path, straight: Path
+    sample_data: Path, tmp_path: Path, straight_small: Path
 ) -> None:
     faulty = tmp_path / "faulty"
-    result = _run(_args(sample_data, faulty), ",".join(FAULTS), restarts=len(FAULTS))
+    result = _run(_args(sample_data, faulty, *SMALL), ",".join(FAULTS), restarts=len(FAULTS))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     for fault in FAULTS:
         point, rank, step = fault.split(":")
         assert f"fault injection: SIGKILL rank {rank} at {point} of step {step}" in output, fault
     assert output.count("resumed from") == len(FAULTS), output[-4000:]
-    _assert_same_run(faulty, straight)
+    _assert_same_run(faulty, straight_small)
     checkpoints = faulty / "checkpoints"
     assert not list(checkpoints.glob("*.tmp"))
     assert all((path / "COMPLETE").is_file() for path in checkpoints.glob("step-*"))
@@ -148,28 +163,28 @@ def _mount_tmpfs(folder: Path, size: str, remount: bool = False) -> bool:
 
 
 def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint(
-    sample_data: Path, tmp_path: Path, straight: Path
+    sample_data: Path, tmp_path: Path, straight_small: Path
 ) -> None:
-    """--checkpoint-dir on a 340 MiB tmpfs: step-2 (225 MiB) fits, step-4 does not. The run
+    """--checkpoint-dir on a 72 MiB tmpfs: step-2 (48 MiB) fits, step-4 does not. The run
     stops with a one-line error; step-2 stays complete; with room again, the next run resumes
     from it and logs the reference run's losses."""
     small = tmp_path / "small"
     small.mkdir()
-    if not _mount_tmpfs(small, "340m"):
+    if not _mount_tmpfs(small, "72m"):
         pytest.skip("mounting a size-limited tmpfs needs root and mount permission")
     try:
-        args = _args(sample_data, tmp_path / "out", "--checkpoint-dir", str(small))
+        args = _args(sample_data, tmp_path / "out", *SMALL, "--checkpoint-dir", str(small))
         args += ["--max-steps", "4"]
         result = _run(args)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert result.returncode != 0 and errors, result.stderr[-3000:]
         assert "no space left on the device of --checkpoint-dir" in errors[0]
         assert sorted(p.parent.name for p in small.glob("step-*/COMPLETE")) == ["step-2"]
-        assert _mount_tmpfs(small, "800m", remount=True)
+        assert _mount_tmpfs(small, "160m", remount=True)
         result = _run(args)
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"resumed from {small / 'step-2'}" in result.stderr
-        want = {step: loss for step, loss in _losses(straight).items() if step <= 4}
+        want = {step: loss for step, loss in _losses(straight_small).items() if step <= 4}
         assert _losses(tmp_path / "out") == want
     finally:
         subprocess.run(["umount", str(small)], check=False)
