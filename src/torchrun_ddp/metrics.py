@@ -240,9 +240,10 @@ def measure_cpu_peak_flops(
     """This process's matmul rate in FLOP/s on square matrices of ``dtype``, with the current
     ``torch.get_num_threads()``: the CPU's practical peak for MFU.
 
-    Side 1024 with 12 trials reads the same fp32 rate as side 2048 with 4 (about 0.6 s instead
-    of 1.8 s per rank at start-up on one thread of this project's CPU, 2 ranks measuring at
-    once); ``benchmarks/throughput.py`` still times 2048.
+    Side 1024 with 12 trials reads within about 3% of side 2048 with 4 trials (about 0.6 s
+    instead of 1.8 s per rank at start-up on one thread of this project's CPU, 2 ranks
+    measuring at once; docs/benchmarks.md, "Test suite", has the command);
+    ``benchmarks/throughput.py`` still times 2048.
 
     The matrices grow from 128 by doubling up to ``size`` while one product stays under
     ``budget_s`` seconds, so a CPU without native support for ``dtype`` (bf16 without
