@@ -64,8 +64,9 @@ def _losses(output_dir: Path) -> dict[int, float]:
 
 SMALL = ("--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"))
 """The hidden-64 LLaMA (48 MiB checkpoints instead of the 19.5M model's 225 MiB) for the
-step-driven faults, whose moments do not depend on how long a step takes. The signal tests keep
-the 19.5M model: its slower steps leave the signal time to land before the run's end."""
+step-driven faults, whose moments do not depend on how long a step takes. The SIGTERM test and
+the random-kill soak, whose moments are timed from outside, keep the 19.5M model: its slower
+steps leave a signal room to land before the run's end."""
 
 
 def _straight(sample_data: Path, output_dir: Path, *extra: str) -> Path:
