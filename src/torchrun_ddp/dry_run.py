@@ -49,6 +49,7 @@ from torchrun_ddp.errors import UserError
 from torchrun_ddp.memory_fit import suggestions
 from torchrun_ddp.memory_plan import MemoryPlan, PlanSettings, plan_memory
 from torchrun_ddp.model import (
+    PRECISION_DTYPES,
     apply_lora,
     load_model_config,
     lora_settings,
@@ -155,9 +156,9 @@ def local_update_memory(
     if config.optimizer not in LOCAL_UPDATE_METHODS:
         return []
     shapes = trained_shapes(config, model_config)
-    bf16 = config.precision == "bf16" and config.peft == "none"  # LoRA adapters stay fp32
-    param_bytes = 2 if bf16 else 4
-    return memory_rows(local_update_settings(config), shapes, world_size, param_bytes)
+    lora = config.peft != "none"  # LoRA adapters stay fp32
+    dtype = torch.float32 if lora else PRECISION_DTYPES[config.precision]
+    return memory_rows(local_update_settings(config), shapes, world_size, dtype.itemsize)
 
 
 def local_update_memory_table(rows: list[MemoryRow], config: TrainConfig) -> str:
