@@ -116,8 +116,9 @@ def _worker(
 
 
 PRELOAD = ["torch", "torch.distributed", "torchrun_ddp.main"]
-"""Imported once by the fork server: each rank then starts in about 0.1 s instead of importing
-torch and transformers again (about 5 s of CPU per rank)."""
+"""Imported once by the fork server, so that ranks do not import torch and transformers again
+(tests/test_start_agreement.py's one spawn: 7.4 s -> 0.8 s; tests/test_checkpoint.py's fixture:
+8.3 s -> 2.0 s; `pytest --durations=8` on both, one setting after the other, quiet machine)."""
 
 
 def _context() -> mp.context.BaseContext:
