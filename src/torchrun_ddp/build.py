@@ -30,7 +30,7 @@ from torchrun_ddp.architecture import (
     model_flops_per_token,
     parameter_count,
 )
-from torchrun_ddp.checkpoint import StartPlan, plan_start, read_meta, verify_start
+from torchrun_ddp.checkpoint import StartPlan, find_latest, plan_start, read_meta, verify_start
 from torchrun_ddp.compression import (
     LOCAL_UPDATE_METHODS,
     CompressionState,
@@ -70,6 +70,7 @@ from torchrun_ddp.optimizer import build_optimizer, build_scheduler, parameter_g
 from torchrun_ddp.training_data import (
     PackedWindows,
     build_train_loader,
+    count_tokens,
     eval_batches,
     load_tokenizer,
     open_documents,
@@ -113,6 +114,8 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
     eval_files = resolve_files(config.eval_files, "--eval-files", config.max_bad_records)
+    check_enough_tokens(config, env, tokenizer, train_files)
+    warn_long_warmup(config, env)
     hub = (config.dataset, config.dataset_config)
     return Inputs(
         model_config=model_config,
@@ -120,6 +123,43 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         train_documents=open_documents(train_files, *hub, split="train"),
         eval_documents=open_documents(eval_files, *hub, split="validation"),
     )
+
+
+def check_enough_tokens(
+    config: TrainConfig, env: DistEnv, tokenizer: PreTrainedTokenizerBase, files: list[str]
+) -> None:
+    """Raise UserError when the local training ``files`` (over all --epochs) give fewer tokens
+    than one optimizer step takes over all ranks, so a run that could train nothing stops
+    before any process group. Skipped where counting is too costly (``count_tokens``: hub
+    streaming, files over 64 MiB) and where a checkpoint is there to resume (a finished run
+    restarted has nothing left to train, and that is success)."""
+    if config.resume_from or (config.resume and find_latest(checkpoint_root(config))):
+        return
+    needed = tokens_per_step(config, env)
+    found = count_tokens(files, tokenizer, -(-needed // config.epochs))
+    if found is None or found * config.epochs >= needed:
+        return
+    epochs = f" x --epochs {config.epochs}" if config.epochs > 1 else ""
+    raise UserError(
+        f"--data-files give {found} tokens{epochs}, fewer than one optimizer step trains: "
+        f"{needed} (world_size {env.world_size} x --batch-size {config.batch_size} x "
+        f"--seq-length {config.seq_length} x --accumulation-steps {config.accumulation_steps}); "
+        "add documents, raise --epochs, or lower --batch-size or --seq-length"
+    )
+
+
+def warn_long_warmup(config: TrainConfig, env: DistEnv) -> None:
+    """Rank 0 warns once when --warmup-steps is not below --max-steps: the learning rate rises
+    for the whole run (``optimizer.build_scheduler``: step s trains at lr (s + 1) / W)."""
+    steps, warmup = config.max_steps, config.warmup_steps
+    if not env.is_main or steps < 0 or warmup < steps:
+        return
+    log.warning(
+        "--warmup-steps %d is not below --max-steps %d: the learning rate rises for the whole "
+        "run and reaches %.3g (%d%% of --learning-rate) only at its last step; lower "
+        "--warmup-steps", warmup, steps, config.learning_rate * steps / warmup,
+        100 * steps // warmup,
+    )  # fmt: skip
 
 
 def check_paths(config: TrainConfig) -> None:

@@ -53,7 +53,7 @@ from torchrun_ddp.distributed import (
     shutdown_distributed,
 )
 from torchrun_ddp.dry_run import dry_run
-from torchrun_ddp.errors import DataError
+from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.faults import fault_point
 from torchrun_ddp.metrics import (
     Record,
@@ -128,13 +128,15 @@ def train(trainer: Trainer) -> bool:
     False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
     config = trainer.config
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
-    progress = progress_bar(trainer, max_steps)
-    if trainer.step == 0 and config.eval_every:
-        trainer.metrics.log({"step": 0, **evaluate(trainer)})  # the untrained baseline
-    trainer.model.train()
     first_step = trainer.step + 1
     with StopRequest() as stop:
         data_ends, stopping = check_in(trainer, max_steps, stop.requested)
+        if data_ends and trainer.step == 0:
+            raise UserError(no_step_message(trainer, max_steps))
+        if trainer.step == 0 and config.eval_every:
+            trainer.metrics.log({"step": 0, **evaluate(trainer)})  # the untrained baseline
+        trainer.model.train()
+        progress = progress_bar(trainer, max_steps)
         while trainer.step < max_steps and not data_ends:
             started = time.perf_counter()
             loss, grad_norm = optimizer_step(trainer, trainer.data.next_step())
@@ -159,6 +161,19 @@ def train(trainer: Trainer) -> bool:
     progress.close()
     finish(trainer)
     return True
+
+
+def no_step_message(trainer: Trainer, max_steps: float) -> str:
+    """The one line of a fresh run whose data ends before its first log step (ranks agree on
+    the end of data there), so it would train no step: nothing is exported or checkpointed."""
+    config = trainer.config
+    first_log_step = int(min(config.log_every, max_steps))
+    return (
+        f"the training data ended before step {first_log_step}, the first log step (ranks "
+        f"agree on the end of data there), so no optimizer step was trained; a step takes "
+        f"{trainer.window.tokens_per_step} tokens over all ranks: add documents, raise "
+        "--epochs, or lower --log-every, --batch-size or --seq-length"
+    )
 
 
 def is_log_step(step: int, log_every: int, max_steps: float) -> bool:

@@ -73,6 +73,27 @@ def check_data_file(path: str, flag: str) -> list[str]:
     return damaged
 
 
+def count_tokens(files: list[str], tokenizer: PreTrainedTokenizerBase, limit: int) -> int | None:
+    """Tokens the readable records of local ``files`` give as training packs them (``BOS + ids +
+    EOS`` a document, ``document_tokens``), counted in stream order until ``limit`` is reached.
+
+    Returns None where counting is too costly: no local files (hub streaming) or a file larger
+    than ``FULL_CHECK_BYTES`` (only its first record is checked at start-up). Damaged records
+    are skipped, as training skips them. Documents are tokenised one at a time, so the
+    tokenizer's thread pool stays unused before the loader worker is forked.
+    """
+    if not files or any(Path(file).stat().st_size > FULL_CHECK_BYTES for file in files):
+        return None
+    total = 0
+    for record in read_records(files):
+        if record["error"]:
+            continue
+        total += len(document_tokens(tokenizer, record["text"]))
+        if total >= limit:
+            break
+    return total
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 """A local tokenizer folder holds at least one of these (what AutoTokenizer loads from)."""
 
