@@ -68,11 +68,11 @@ from common import (
     wait_all,
 )
 
-from torchrun_ddp.architecture import meta_model, model_flops_per_token, parameter_sizes
 from torchrun_ddp.compression import CompressionSettings, compression_settings
-from torchrun_ddp.compression.plan import Topology, estimate, predicted_step_seconds
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.model import load_model_config
+from torchrun_ddp.plan.architecture import meta_model, model_flops_per_token, parameter_sizes
+from torchrun_ddp.plan.communication import Topology, estimate, predicted_step_seconds
 
 DEFAULT_METHODS = "none,fp16,powersgd-4,dct-0.125,dct-0.25-bf16,dct-0.03,dct-topk-2"
 IP_TIMEOUT_S = 30.0
@@ -411,7 +411,7 @@ INTRA_NODE_BITS = 2e10
 
 def predicted_step(args: argparse.Namespace, variant: Variant, link_bits: float) -> float:
     """The step time ``train.py --dry-run`` predicts for ``variant`` on this setup: the
-    communication plan (``torchrun_ddp.compression.plan``) with the measured link rate and
+    communication plan (``torchrun_ddp.plan.communication``) with the measured link rate and
     ``--plan-tflops`` per rank for forward and backward of the tiny LLaMA."""
     config = load_model_config(str(REPO / "configs" / "llama-tiny" / "config.json"))
     sizes = parameter_sizes(meta_model(config))
@@ -466,7 +466,7 @@ def _prediction_note(args: argparse.Namespace) -> str:
     if not args.plan_tflops:
         return ""
     return (
-        " Predicted: the --dry-run communication plan (compression.plan) at the measured link "
+        " Predicted: the --dry-run communication plan (plan.communication) at the measured link "
         f"rate, compute at --plan-tflops {args.plan_tflops:g} TFLOP/s per rank; in brackets "
         "its difference from the measured step."
     )

@@ -49,9 +49,9 @@ accounting of weights, gradients, buckets, optimizer state and saved activations
 temporary; the ``fused`` row (the trainer's default) and the ``for-loop`` row show what changes
 with the other implementations.
 
-Planning (``--plans``): ``memory_fit.comparison_table`` for LLaMA-2-7B with the settings of
+Planning (``--plans``): ``plan.fit.comparison_table`` for LLaMA-2-7B with the settings of
 ``configs/llama2_7b.toml`` on 1, 2, 4 and 8 GPUs of 80 GiB and of 24 GiB, plus plain fp32 DDP on
-8 x 80 GiB for contrast, and the first of ``memory_fit.suggestions`` for each row that does not
+8 x 80 GiB for contrast, and the first of ``plan.fit.suggestions`` for each row that does not
 fit. Arithmetic only; nothing is allocated.
 """
 
@@ -80,10 +80,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import PretrainedConfig
 
-from torchrun_ddp.architecture import llama2_7b_config, meta_model, parameter_sizes
 from torchrun_ddp.compression import CompressionSettings, register_compression
-from torchrun_ddp.memory_fit import comparison_table, suggestions
-from torchrun_ddp.memory_plan import MIB, MemoryPlan, PlanSettings, plan_memory
 from torchrun_ddp.model import (
     autocast_context,
     build_model,
@@ -91,7 +88,10 @@ from torchrun_ddp.model import (
     load_model_config,
     wrap_ddp,
 )
-from torchrun_ddp.optimizer import build_optimizer
+from torchrun_ddp.optim import build_optimizer
+from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model, parameter_sizes
+from torchrun_ddp.plan.fit import comparison_table, suggestions
+from torchrun_ddp.plan.memory import MIB, MemoryPlan, PlanSettings, plan_memory
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "configs" / "llama-tiny" / "config.json"

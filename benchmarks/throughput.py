@@ -46,8 +46,8 @@ from common import (
     wait_all,
 )
 
-from torchrun_ddp.architecture import matmul_parameter_count, meta_model, model_flops_per_token
 from torchrun_ddp.metrics import measure_cpu_peak_flops
+from torchrun_ddp.plan.architecture import matmul_parameter_count, meta_model, model_flops_per_token
 
 
 @dataclass(frozen=True)

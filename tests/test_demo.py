@@ -1,4 +1,4 @@
-"""DeMo (compression/demo.py): its algebra, rank agreement, exact resume and payload bytes.
+"""DeMo (optim/demo.py): its algebra, rank agreement, exact resume and payload bytes.
 
 The distributed checks share one two-rank gloo run (a module-scoped fixture, one spawn): DeMo
 with full top-k and no sign against torch's SGD on the mean gradient, the transmitted-plus-kept
@@ -25,23 +25,25 @@ from tiny_models import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from torchrun_ddp.architecture import llama2_7b_config
 from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
 from torchrun_ddp.compression import (
     CompressionState,
-    DeMo,
-    DemoSettings,
-    LocalMomentum,
     demo_payload_bytes,
     register_local_gradients,
     tile_shape,
     wire_bytes,
 )
-from torchrun_ddp.compression.demo import tile_codec
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.memory_plan import PlanSettings, plan_memory
-from torchrun_ddp.optimizer import parameter_groups
+from torchrun_ddp.optim import (
+    DeMo,
+    DemoSettings,
+    LocalMomentum,
+    parameter_groups,
+)
+from torchrun_ddp.optim.demo import tile_codec
+from torchrun_ddp.plan.architecture import llama2_7b_config
+from torchrun_ddp.plan.memory import PlanSettings, plan_memory
 
 WORLD = 2
 SHAPES = [(24, 40), (130,), (7,)]

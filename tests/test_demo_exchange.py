@@ -35,31 +35,33 @@ from tiny_models import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from torchrun_ddp.architecture import llama2_7b_config
 from torchrun_ddp.build import Trainer
 from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
 from torchrun_ddp.compression import (
-    DeMo,
-    DemoSettings,
-    LocalMomentum,
-    LocalUpdateSettings,
-    build_local_updates,
     register_local_gradients,
-)
-from torchrun_ddp.compression.demo_exchange import MessageExchange, assign_owners
-from torchrun_ddp.compression.plan import (
-    Topology,
-    demo_estimate,
-    estimate,
-    predicted_step_seconds,
 )
 from torchrun_ddp.compression.settings import CompressionSettings
 from torchrun_ddp.compression.wire import demo_payload_bytes, sparseloco_payload_bytes, wire_bytes
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv, NodeGroups, new_node_groups
-from torchrun_ddp.dry_run import trained_shapes
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.optimizer import parameter_groups
+from torchrun_ddp.optim import (
+    DeMo,
+    DemoSettings,
+    LocalMomentum,
+    LocalUpdateSettings,
+    build_local_updates,
+    parameter_groups,
+)
+from torchrun_ddp.optim.exchange import MessageExchange, assign_owners
+from torchrun_ddp.plan.architecture import llama2_7b_config
+from torchrun_ddp.plan.communication import (
+    Topology,
+    demo_estimate,
+    estimate,
+    predicted_step_seconds,
+)
+from torchrun_ddp.plan.dry_run import trained_shapes
 
 WORLD, PER_NODE = 4, 2
 NODES = WORLD // PER_NODE

@@ -45,24 +45,26 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrun_ddp.build import Trainer, prepare_inputs
 from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
 from torchrun_ddp.compression import (
-    LocalUpdates,
-    LocalUpdateSettings,
-    RankState,
-    SyncedState,
-    build_local_updates,
     register_local_gradients,
-)
-from torchrun_ddp.compression.local_update_memory import memory_rows
-from torchrun_ddp.compression.plan import (
-    Topology,
-    local_update_estimates,
-    predicted_step_seconds,
 )
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv, NodeGroups, new_node_groups
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import start, train
-from torchrun_ddp.optimizer import parameter_groups
+from torchrun_ddp.optim import (
+    LocalUpdates,
+    LocalUpdateSettings,
+    RankState,
+    SyncedState,
+    build_local_updates,
+    parameter_groups,
+)
+from torchrun_ddp.plan.communication import (
+    Topology,
+    local_update_estimates,
+    predicted_step_seconds,
+)
+from torchrun_ddp.plan.local_update_memory import memory_rows
 
 WORLD = 2
 SHAPES = [(24, 40), (130,), (7,)]

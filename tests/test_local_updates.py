@@ -1,4 +1,4 @@
-"""DiLoCo and SparseLoCo (compression/local_updates.py): their algebra, rank agreement, exact
+"""DiLoCo and SparseLoCo (optim/local_updates.py): their algebra, rank agreement, exact
 resume in the middle of a window, payload bytes and the one-line refusals.
 
 The distributed checks share two spawns of real gloo processes: two ranks run the algebra
@@ -37,29 +37,31 @@ from torchrun_ddp.build import Trainer, prepare_inputs
 from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
 from torchrun_ddp.compression import (
     CompressionState,
+    register_local_gradients,
+    sparseloco_payload_bytes,
+    wire_bytes,
+)
+from torchrun_ddp.compression.wire import diloco_payload_bytes
+from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.main import start
+from torchrun_ddp.optim import (
     LocalUpdates,
     LocalUpdateSettings,
     RankState,
     SyncedState,
     build_local_updates,
-    register_local_gradients,
-    sparseloco_payload_bytes,
-    wire_bytes,
+    parameter_groups,
 )
-from torchrun_ddp.compression.local_update_memory import memory_rows
-from torchrun_ddp.compression.sparseloco_codec import (
+from torchrun_ddp.optim.sparseloco_codec import (
     dequantize,
     pack_bits,
     quantize,
     unpack_bits,
 )
-from torchrun_ddp.compression.wire import diloco_payload_bytes
-from torchrun_ddp.config_io import parse_config
-from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import dry_run
-from torchrun_ddp.errors import UserError
-from torchrun_ddp.main import start
-from torchrun_ddp.optimizer import parameter_groups
+from torchrun_ddp.plan.dry_run import dry_run
+from torchrun_ddp.plan.local_update_memory import memory_rows
 
 WORLD = 2
 SHAPES = [(24, 40), (130,), (7,)]

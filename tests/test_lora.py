@@ -21,8 +21,8 @@ from safetensors import safe_open
 from tiny_models import comm_bytes, digest, evaluations, logged_losses, train_in_group
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from torchrun_ddp.main import save_final_model
 from torchrun_ddp.model import build_model
+from torchrun_ddp.training_state import save_final_model
 
 pytestmark = pytest.mark.slow  # trains and resumes LoRA runs on 2 spawned ranks
 

@@ -17,7 +17,21 @@ from torch.nn.parallel.distributed import _BucketCapacityConfig
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
-from torchrun_ddp.architecture import (
+from torchrun_ddp.compression import CompressionSettings
+from torchrun_ddp.compression.settings import POWERSGD_MIN_RATE
+from torchrun_ddp.compression.state import powersgd_slices
+from torchrun_ddp.compression.wire import demo_payload_bytes, wire_bytes
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.model import (
+    LoraSettings,
+    apply_lora,
+    load_model_config,
+    trainable_parameter_sizes,
+)
+from torchrun_ddp.plan.architecture import (
     active_parameter_count,
     architecture,
     llama2_7b_config,
@@ -28,8 +42,7 @@ from torchrun_ddp.architecture import (
     parameter_count,
     parameter_sizes,
 )
-from torchrun_ddp.compression import CompressionSettings
-from torchrun_ddp.compression.plan import (
+from torchrun_ddp.plan.communication import (
     Topology,
     communication_table,
     estimate,
@@ -38,27 +51,14 @@ from torchrun_ddp.compression.plan import (
     predicted_step_seconds,
     state_bytes,
 )
-from torchrun_ddp.compression.settings import POWERSGD_MIN_RATE
-from torchrun_ddp.compression.state import powersgd_slices
-from torchrun_ddp.compression.wire import demo_payload_bytes, wire_bytes
-from torchrun_ddp.config import TrainConfig
-from torchrun_ddp.config_io import parse_config
-from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import check_fits, communication_plan, plan_run, trained_shapes
-from torchrun_ddp.errors import UserError
-from torchrun_ddp.memory_fit import comparison_table, suggestions
-from torchrun_ddp.memory_plan import (
+from torchrun_ddp.plan.dry_run import check_fits, communication_plan, plan_run, trained_shapes
+from torchrun_ddp.plan.fit import comparison_table, suggestions
+from torchrun_ddp.plan.memory import (
     GIB,
     PlanSettings,
     activation_estimate,
     plan_memory,
     zero_shard,
-)
-from torchrun_ddp.model import (
-    LoraSettings,
-    apply_lora,
-    load_model_config,
-    trainable_parameter_sizes,
 )
 
 REPO = Path(__file__).resolve().parents[1]

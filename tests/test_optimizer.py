@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from torchrun_ddp.optimizer import build_optimizer, build_scheduler, parameter_groups
+from torchrun_ddp.optim import build_optimizer, build_scheduler, parameter_groups
 
 LR, MIN_LR, WARMUP, CYCLE = 1e-3, 1e-5, 10, 20
 

@@ -17,7 +17,7 @@ from torchrun_ddp.build import Inputs, agree_on_start, build_eval_set
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.main import evaluate
+from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.model import build_model, wrap_ddp
 from torchrun_ddp.training_data import load_tokenizer, open_documents
 

@@ -25,27 +25,15 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from torchrun_ddp.architecture import (
-    matmul_parameter_count,
-    model_flops_per_token,
-    parameter_count,
-)
 from torchrun_ddp.checkpoint import StartPlan, find_latest, plan_start, read_meta, verify_start
 from torchrun_ddp.compression import (
-    LOCAL_UPDATE_METHODS,
     CompressionState,
-    DemoSettings,
-    build_demo,
-    build_local_updates,
     compression_settings,
-    local_update_settings,
     register_compression,
     register_local_gradients,
 )
-from torchrun_ddp.compression.local_updates import describe as describe_local_updates
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv, new_node_groups
-from torchrun_ddp.dry_run import check_fits
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.lookahead import LookaheadBatches
 from torchrun_ddp.metrics import (
@@ -66,7 +54,23 @@ from torchrun_ddp.model import (
     trainable_parameter_sizes,
     wrap_ddp,
 )
-from torchrun_ddp.optimizer import build_optimizer, build_scheduler, parameter_groups
+from torchrun_ddp.optim import (
+    LOCAL_UPDATE_METHODS,
+    DemoSettings,
+    build_demo,
+    build_local_updates,
+    build_optimizer,
+    build_scheduler,
+    describe,
+    local_update_settings,
+    parameter_groups,
+)
+from torchrun_ddp.plan import (
+    check_fits,
+    matmul_parameter_count,
+    model_flops_per_token,
+    parameter_count,
+)
 from torchrun_ddp.training_data import (
     PackedWindows,
     build_train_loader,
@@ -150,7 +154,7 @@ def check_enough_tokens(
 
 def warn_long_warmup(config: TrainConfig, env: DistEnv) -> None:
     """Rank 0 warns once when --warmup-steps is not below --max-steps: the learning rate rises
-    for the whole run (``optimizer.build_scheduler``: step s trains at lr (s + 1) / W)."""
+    for the whole run (``optim.build_scheduler``: step s trains at lr (s + 1) / W)."""
     steps, warmup = config.max_steps, config.warmup_steps
     if not env.is_main or steps < 0 or warmup < steps:
         return
@@ -256,6 +260,11 @@ def check_causal_lm(model_config: PretrainedConfig, name: str) -> None:
     )
 
 
+def train_timeout_s(config: TrainConfig) -> int:
+    """The collective timeout after the first step: --train-timeout-s, or --timeout-s for 0."""
+    return config.train_timeout_s or config.timeout_s
+
+
 def checkpoint_root(config: TrainConfig) -> Path:
     """Where step-N checkpoints live: --checkpoint-dir, or <output-dir>/checkpoints."""
     return Path(config.checkpoint_dir or Path(config.output_dir) / "checkpoints")
@@ -359,9 +368,9 @@ def build_ddp_model(
 def build_trainer_optimizer(
     config: TrainConfig, model: torch.nn.Module, compression: CompressionState
 ) -> Optimizer:
-    """AdamW (``optimizer.build_optimizer``: fused/foreach, ZeRO-1), DeMo (``compression.demo``,
+    """AdamW (``optim.build_optimizer``: fused/foreach, ZeRO-1), DeMo (``optim.demo``,
     which all-gathers its compressed momentum itself), or DiLoCo/SparseLoCo
-    (``compression.local_updates``: that AdamW stepped locally, a sync every --local-steps); the
+    (``optim.local_updates``: that AdamW stepped locally, a sync every --local-steps); the
     last two count their bytes in ``compression``."""
     if config.optimizer != "demo":
         adamw = build_optimizer(
@@ -374,7 +383,7 @@ def build_trainer_optimizer(
         if config.optimizer not in LOCAL_UPDATE_METHODS:
             return adamw
         settings = local_update_settings(config)
-        log.info("local updates: %s", describe_local_updates(settings))
+        log.info("local updates: %s", describe(settings))
         group = exchange_group(config, compression)
         return build_local_updates(adamw, settings, compression, group)
     demo = DemoSettings(

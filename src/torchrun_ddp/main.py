@@ -15,13 +15,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -34,17 +32,14 @@ from torchrun_ddp.build import (
     checkpoint_root,
     prepare_inputs,
     record_data_error,
+    train_timeout_s,
 )
-from torchrun_ddp.checkpoint import (
-    record_run_id,
-)
-from torchrun_ddp.compression import DeMo, LocalUpdates
+from torchrun_ddp.checkpoint import record_run_id
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_io import save_config
 from torchrun_ddp.distributed import (
     DistEnv,
     StopRequest,
-    collective_timeout,
     init_distributed,
     pick_device,
     seconds_since_process_start,
@@ -52,20 +47,15 @@ from torchrun_ddp.distributed import (
     setup_logging,
     shutdown_distributed,
 )
-from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import DataError, UserError
+from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point
-from torchrun_ddp.metrics import (
-    Record,
-    any_rank,
-    restart_records,
-)
-from torchrun_ddp.model import (
-    autocast_context,
-    export_final_model,
-)
+from torchrun_ddp.metrics import any_rank, progress_bar, restart_records
+from torchrun_ddp.model import autocast_context
+from torchrun_ddp.optim import DeMo, LocalUpdates
+from torchrun_ddp.plan import dry_run
 from torchrun_ddp.training_data import bad_record_count
-from torchrun_ddp.training_state import resume, save
+from torchrun_ddp.training_state import resume, save, save_final_model
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -136,7 +126,7 @@ def train(trainer: Trainer) -> bool:
         if trainer.step == 0 and config.eval_every:
             trainer.metrics.log({"step": 0, **evaluate(trainer)})  # the untrained baseline
         trainer.model.train()
-        progress = progress_bar(trainer, max_steps)
+        progress = progress_bar(trainer.step, max_steps, trainer.env.is_main)
         while trainer.step < max_steps and not data_ends:
             started = time.perf_counter()
             loss, grad_norm = optimizer_step(trainer, trainer.data.next_step())
@@ -152,7 +142,7 @@ def train(trainer: Trainer) -> bool:
             if trainer.step >= max_steps or data_ends:
                 flush_exchange(trainer)
             if stopping:
-                save_checkpoint(trainer)
+                save(trainer)
                 log.warning("stopped by a signal: checkpoint saved at step %d", trainer.step)
                 return False
             after_step(trainer)
@@ -255,7 +245,7 @@ def after_step(trainer: Trainer) -> None:
     if config.eval_every and step % config.eval_every == 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
     if config.checkpoint_every and step % config.checkpoint_every == 0:
-        save_checkpoint(trainer)
+        save(trainer)
 
 
 def finish(trainer: Trainer) -> None:
@@ -274,59 +264,4 @@ def finish(trainer: Trainer) -> None:
     if config.eval_every == 0 or step % config.eval_every != 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
     if config.checkpoint_every == 0 or step % config.checkpoint_every != 0:
-        save_checkpoint(trainer)
-
-
-def train_timeout_s(config: TrainConfig) -> int:
-    """The collective timeout after the first step: --train-timeout-s, or --timeout-s for 0."""
-    return config.train_timeout_s or config.timeout_s
-
-
-def save_checkpoint(trainer: Trainer) -> None:
-    """``training_state.save`` under the start-up timeout (--timeout-s): a rank's write to a
-    slow shared file system may take longer than a training step's collectives may wait."""
-    config = trainer.config
-    with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
         save(trainer)
-
-
-def progress_bar(trainer: Trainer, max_steps: float) -> tqdm:
-    """A tqdm bar on rank 0 when stderr is a terminal; disabled (silent) otherwise."""
-    return tqdm(
-        initial=trainer.step,
-        total=None if max_steps == math.inf else int(max_steps),
-        disable=not (trainer.env.is_main and sys.stderr.isatty()),
-        unit="step",
-        dynamic_ncols=True,
-    )
-
-
-@torch.no_grad()
-def evaluate(trainer: Trainer) -> Record:
-    """Mean loss and perplexity over every rank's fixed held-out windows."""
-    model = trainer.model
-    model.eval()
-    totals = torch.zeros(2, device=trainer.device, dtype=torch.float64)
-    for batch in trainer.eval_set:
-        input_ids = batch.to(trainer.device)
-        with autocast_context(trainer.config.precision, trainer.device):
-            totals[0] += model(input_ids=input_ids, labels=input_ids).loss.double()
-        totals[1] += 1
-    dist.all_reduce(totals)
-    model.train()
-    if totals[1] == 0:
-        log.warning("no held-out windows to evaluate on; check --eval-files")
-        return {}
-    eval_loss = float(totals[0] / totals[1])
-    return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}
-
-
-def save_final_model(trainer: Trainer) -> None:
-    """Rank 0 writes ``<output_dir>/final_model`` (``model.export_final_model``); all ranks
-    wait for it."""
-    config = trainer.config
-    with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
-        if trainer.env.is_main:
-            output, lora = Path(config.output_dir), config.peft == "lora"
-            export_final_model(trainer.model.module, trainer.tokenizer, output, lora)
-        dist.barrier()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 import torch
+from tqdm import tqdm
 
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import fault_armed, fault_point
@@ -377,3 +378,15 @@ def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     values = torch.tensor([int(flag) for flag in flags], device=device)
     torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
     return [bool(value) for value in values.tolist()]
+
+
+def progress_bar(initial: int, total: float, main_rank: bool) -> tqdm:
+    """A tqdm bar of optimizer steps from ``initial`` to ``total`` (math.inf: no end known) on
+    the main rank when stderr is a terminal; disabled (silent) otherwise."""
+    return tqdm(
+        initial=initial,
+        total=None if total == float("inf") else int(total),
+        disable=not (main_rank and sys.stderr.isatty()),
+        unit="step",
+        dynamic_ncols=True,
+    )

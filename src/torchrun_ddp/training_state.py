@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
+import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from torchrun_ddp.build import Trainer, checkpoint_root, tokens_per_step
+from torchrun_ddp.build import Trainer, checkpoint_root, tokens_per_step, train_timeout_s
 from torchrun_ddp.checkpoint import (
     ModelAndOptimizer,
     ShardedOptimizer,
@@ -33,10 +34,11 @@ from torchrun_ddp.checkpoint import (
     save_checkpoint,
     seed_rng,
 )
-from torchrun_ddp.compression import DeMo, LocalMomentum, LocalUpdates, RankState, SyncedState
 from torchrun_ddp.config_checks import global_batch_accumulation
+from torchrun_ddp.distributed import collective_timeout
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.model import lora_settings
+from torchrun_ddp.model import export_final_model, lora_settings
+from torchrun_ddp.optim import DeMo, LocalMomentum, LocalUpdates, RankState, SyncedState
 from torchrun_ddp.training_data import DATA_ORDER
 
 log = logging.getLogger("torchrun_ddp")
@@ -62,7 +64,7 @@ def shared_state(trainer: Trainer) -> dict[str, Stateful]:
 def rank_state(trainer: Trainer) -> dict[str, Stateful]:
     """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard,
     DeMo's momentum, DiLoCo/SparseLoCo's inner AdamW state (and local parameters inside a
-    window, and SparseLoCo's error feedback; see ``compression.local_updates``)."""
+    window, and SparseLoCo's error feedback; see ``optim.local_updates``)."""
     state: dict[str, Stateful] = {"data": trainer.data, "compression": trainer.compression}
     if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
         state["optimizer"] = ShardedOptimizer(trainer.optimizer, trainer.model)
@@ -107,23 +109,38 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
 
 
 def save(trainer: Trainer) -> Path:
-    """Save an exact-resume checkpoint of the step just finished (collective)."""
+    """Save an exact-resume checkpoint of the step just finished (collective), under the
+    start-up timeout (--timeout-s): a rank's write to a slow shared file system may take longer
+    than a training step's collectives may wait."""
     per_rank = {name: obj.state_dict() for name, obj in rank_state(trainer).items()}
     per_rank["rng"] = capture_rng_state()
     meta = {**run_identity(trainer), "config": dataclasses.asdict(trainer.config)}
     meta["run_id"] = trainer.run_id
     meta["tokens_seen"] = trainer.tokens_seen
-    path = save_checkpoint(
-        checkpoint_root(trainer.config),
-        trainer.step,
-        shared_state(trainer),
-        per_rank,
-        meta,
-        keep=trainer.config.keep_checkpoints,
-        sharded=sharded_state(trainer),
-    )
+    config = trainer.config
+    with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
+        path = save_checkpoint(
+            checkpoint_root(config),
+            trainer.step,
+            shared_state(trainer),
+            per_rank,
+            meta,
+            keep=config.keep_checkpoints,
+            sharded=sharded_state(trainer),
+        )
     log.info("saved checkpoint %s", path)
     return path
+
+
+def save_final_model(trainer: Trainer) -> None:
+    """Rank 0 writes ``<output_dir>/final_model`` (``model.export_final_model``: merged
+    weights under LoRA, safetensors, with the tokenizer); all ranks wait for it."""
+    config = trainer.config
+    with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
+        if trainer.env.is_main:
+            output, lora = Path(config.output_dir), config.peft == "lora"
+            export_final_model(trainer.model.module, trainer.tokenizer, output, lora)
+        dist.barrier()
 
 
 def resume(trainer: Trainer, plan: StartPlan) -> None:

@@ -1,32 +1,19 @@
-"""Gradient compression for DDP: settings, DCT transform, comm hooks, per-rank state, wire bytes.
+"""Gradient compression inside DDP: comm hooks that compress the gradient all-reduce.
 
-``settings`` (methods and their parameters), ``transform`` (DCT-II basis, block layout, DeMo
-tiles), ``hooks`` (one comm hook per method, :func:`register_compression`), ``state`` (error
-feedback, PowerSGD memories, ``state_dict``/``load_state_dict``), ``wire`` (bytes on the wire),
-``demo`` (the DeMo optimizer, which compresses momentum and runs its own all-gather, and the comm
-hook that leaves DDP's gradients local for it), ``local_updates`` (DiLoCo and SparseLoCo: local
-AdamW steps, a sync every H steps) with ``sparseloco_codec`` (SparseLoCo's messages),
-``local_update_state`` (their checkpoint state) and ``local_update_memory`` (their memory rows),
-``plan`` (costs before a run).
+Modules: ``settings`` (methods and their parameters), ``transform`` (orthonormal DCT-II, block
+layout, tiles), ``hooks`` (one comm hook per method: none, dct, dct-topk, fp16, bf16, powersgd;
+:func:`register_compression`), ``local_gradients`` (the hooks that keep each rank's gradient,
+or its node's mean, for optimizers that exchange themselves), ``state`` (error feedback,
+PowerSGD memories, bytes counted per step, ``state_dict``/``load_state_dict``) and ``wire``
+(payload sizes and the ring model's wire bytes per collective).
+
+Imports: torch, ``errors``, and the ``distributed`` types it is handed; nothing else of the
+package. ``optim`` (DeMo, DiLoCo, SparseLoCo reuse the transform, the wire sizes and the byte
+counter) and ``plan`` build on it; it imports neither.
 """
 
-from torchrun_ddp.compression.demo import (
-    DeMo,
-    DemoSettings,
-    LocalMomentum,
-    build_demo,
-    register_local_gradients,
-    validate_demo,
-)
 from torchrun_ddp.compression.hooks import compression_hook, register_compression
-from torchrun_ddp.compression.local_update_state import RankState, SyncedState
-from torchrun_ddp.compression.local_updates import (
-    LOCAL_UPDATE_METHODS,
-    LocalUpdates,
-    LocalUpdateSettings,
-    build_local_updates,
-    local_update_settings,
-)
+from torchrun_ddp.compression.local_gradients import register_local_gradients
 from torchrun_ddp.compression.settings import (
     METHODS,
     SCOPED_METHODS,
@@ -60,7 +47,6 @@ from torchrun_ddp.compression.wire import (
 )
 
 __all__ = [
-    "LOCAL_UPDATE_METHODS",
     "METHODS",
     "SCOPED_METHODS",
     "SCOPES",
@@ -69,17 +55,8 @@ __all__ = [
     "BlockLayout",
     "CompressionSettings",
     "CompressionState",
-    "DeMo",
-    "DemoSettings",
-    "LocalMomentum",
-    "LocalUpdateSettings",
-    "LocalUpdates",
-    "RankState",
     "StepBytes",
-    "SyncedState",
     "block_layout",
-    "build_demo",
-    "build_local_updates",
     "compression_hook",
     "compression_settings",
     "dct_basis",
@@ -91,7 +68,6 @@ __all__ = [
     "keeps_residual",
     "kept_coefficients",
     "kept_frequencies",
-    "local_update_settings",
     "powersgd_slices",
     "register_compression",
     "register_local_gradients",
@@ -99,7 +75,6 @@ __all__ = [
     "tile_shape",
     "topk_break_even_world_size",
     "topk_payload_bytes",
-    "validate_demo",
     "validate_settings",
     "wire_bytes",
 ]

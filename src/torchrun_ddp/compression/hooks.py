@@ -26,7 +26,7 @@ module provides one hook, :func:`compression_hook`, that dispatches on
     Distributed Gradient Descent"; with error feedback as in Stich et al. 2018, "Sparsified SGD
     with Memory") applied to 1-D DCT coefficients: per block the ``topk`` largest-magnitude
     coefficients of the gradient (plus residual) are exchanged as (value, index) pairs with an
-    all-gather, and the average feeds AdamW. This is *not* DeMo: DeMo (``compression.demo``,
+    all-gather, and the average feeds AdamW. This is *not* DeMo: DeMo (``optim.demo``,
     ``--optimizer demo``) compresses a decaying momentum in 2-D tiles, not the gradient, and
     takes a sign step instead of AdamW's.
 ``powersgd``

@@ -66,16 +66,16 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from torchrun_ddp.compression.demo_exchange import (
+from torchrun_ddp.compression.state import CompressionState
+from torchrun_ddp.compression.wire import sparseloco_chunk_payload
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.optim.exchange import (
     Counter,
     InFlight,
     MessageExchange,
     assign_owners,
 )
-from torchrun_ddp.compression.sparseloco_codec import chunk_codec, decode_mean, encode_chunks
-from torchrun_ddp.compression.state import CompressionState
-from torchrun_ddp.compression.wire import sparseloco_chunk_payload
-from torchrun_ddp.errors import UserError
+from torchrun_ddp.optim.sparseloco_codec import chunk_codec, decode_mean, encode_chunks
 
 if TYPE_CHECKING:
     from torchrun_ddp.config import TrainConfig
@@ -221,7 +221,7 @@ class PendingSync:
 class LocalUpdates(Optimizer):
     """DiLoCo or SparseLoCo (module docstring) around an inner optimizer, as an ``Optimizer``.
 
-    ``inner``: the per-rank optimizer (AdamW over ``optimizer.parameter_groups``); this wrapper
+    ``inner``: the per-rank optimizer (AdamW over ``optim.parameter_groups``); this wrapper
     shares its parameter groups (the same dicts), so a learning-rate schedule built on the
     wrapper sets the inner learning rate. ``step()`` runs one inner step and, every
     ``settings.local_steps`` calls, the sync, a collective: every rank of ``process_group``

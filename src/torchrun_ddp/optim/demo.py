@@ -21,7 +21,7 @@ Why DDP still wraps the model but does not reduce: the forward and backward keep
 ``DistributedDataParallel`` (parameter and buffer broadcast at construction, ``no_sync``
 for gradient accumulation, the same loop as AdamW), but DeMo needs each rank's *local*
 gradient, and its exchange is a sparse all-gather of momentum, not an all-reduce of gradients.
-:func:`register_local_gradients` therefore registers a comm hook that returns every bucket
+``compression.register_local_gradients`` therefore registers a comm hook that returns every bucket
 unreduced (no communication), and :class:`DeMo` schedules its own collective in ``step()``, the
 way modded-nanogpt's optimizers issue their own collectives. Turning DDP's all-reduce off with
 ``no_sync`` on every micro-batch would do the same, but would change the training loop; a hook is
@@ -39,19 +39,17 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from torchrun_ddp.compression.demo_exchange import (
+from torchrun_ddp.compression.settings import TOPK_VALUE_DTYPES
+from torchrun_ddp.compression.state import CompressionState
+from torchrun_ddp.compression.transform import dct_basis, index_dtype, tile_shape
+from torchrun_ddp.optim.exchange import (
     Counter,
     InFlight,
     MessageExchange,
     assign_owners,
 )
-from torchrun_ddp.compression.settings import TOPK_VALUE_DTYPES, CompressionSettings
-from torchrun_ddp.compression.state import CompressionState
-from torchrun_ddp.compression.transform import dct_basis, index_dtype, tile_shape
-from torchrun_ddp.compression.wire import dense_wire_bytes
 
 if TYPE_CHECKING:
     from torchrun_ddp.distributed import NodeGroups
@@ -176,7 +174,7 @@ class DeMo(Optimizer):
     """DeMo (see the module docstring) as a ``torch.optim.Optimizer``.
 
     ``params``: parameters or parameter groups (each may set ``lr`` and ``weight_decay``;
-    ``optimizer.parameter_groups`` puts norms and biases in a group without decay). ``step()``
+    ``optim.parameter_groups`` puts norms and biases in a group without decay). ``step()``
     reads each parameter's *local* gradient (same dtype and shape as the parameter; a missing
     gradient counts as zero), exchanges one all-gather with the other ranks of
     ``process_group`` and updates the parameters in place. It is a collective: every rank must
@@ -414,67 +412,6 @@ class LocalMomentum:
         self.optimizer.pending = flight
 
 
-def _local_hook(
-    state: CompressionState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook that leaves the bucket as it is: each rank keeps its local gradient.
-
-    Counts the dense fp32 all-reduce it replaces (``comm_bytes_dense``) so the metrics' ratio
-    compares DeMo's all-gather with it; sends nothing.
-    """
-    buffer = bucket.buffer()
-    state.hook_calls += 1
-    state.comm_bytes_dense += dense_wire_bytes(buffer.numel(), state.world_size)
-    if bucket.is_last():
-        state.step += 1
-    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    done.set_result(buffer)
-    return done
-
-
-def _node_mean_hook(
-    state: CompressionState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook of node-aware DeMo: the bucket becomes the mean over the ranks of this
-    node (an fp32 all-reduce in ``state.node_groups.intra``, the fast links); nothing crosses
-    the uplinks. Counts that all-reduce and the dense one it replaces, as :func:`_local_hook`."""
-    buffer = bucket.buffer()
-    state.hook_calls += 1
-    state.comm_bytes_dense += dense_wire_bytes(buffer.numel(), state.world_size)
-    if bucket.is_last():
-        state.step += 1
-    assert state.node_groups is not None
-    intra = state.node_groups.intra
-    flat = buffer if buffer.dtype == torch.float32 else buffer.float()
-    flat.div_(dist.get_world_size(intra))
-    state.count("all_reduce", flat.numel() * flat.element_size(), intra)
-    work = dist.all_reduce(flat, group=intra, async_op=True)
-
-    def averaged(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        total = future.value()[0]
-        return total if total is buffer else buffer.copy_(total)
-
-    return work.get_future().then(averaged)
-
-
-def register_local_gradients(
-    model: DistributedDataParallel,
-    process_group: dist.ProcessGroup | None = None,
-    node_groups: "NodeGroups | None" = None,
-) -> CompressionState:
-    """Register :func:`_local_hook` on ``model`` (DDP then communicates nothing in backward), or
-    with ``node_groups`` :func:`_node_mean_hook` (gradients averaged inside each node), and
-    return the state that counts bytes; pass it to :func:`build_demo`.
-
-    Call on every rank after constructing the DDP model and before the first backward. Raises
-    whatever ``register_comm_hook`` raises (e.g. a hook already registered).
-    """
-    settings = CompressionSettings(method="none")
-    state = CompressionState(settings, model.parameters(), process_group, node_groups)
-    model.register_comm_hook(state, _node_mean_hook if node_groups else _local_hook)
-    return state
-
-
 def build_demo(
     param_groups: list[dict[str, object]],
     learning_rate: float,
@@ -483,7 +420,7 @@ def build_demo(
     overlap: bool = False,
     process_group: dist.ProcessGroup | None = None,
 ) -> DeMo:
-    """DeMo over ``param_groups`` (``optimizer.parameter_groups``: decoupled weight decay on
+    """DeMo over ``param_groups`` (``optim.parameter_groups``: decoupled weight decay on
     matrices only), exchanging in ``process_group`` (default: ``state``'s; node-aware when
     ``state`` has node groups) and counting its bytes in ``state``; ``overlap``: see
     :class:`DeMo`."""

@@ -1,9 +1,10 @@
 """Before a run: the per-rank memory and FLOP plan, the communication plan (--dry-run), and the
 fit check that refuses a run that would not fit the device.
 
-Composes ``architecture`` (meta-device model, sizes, FLOPs), ``memory_plan`` (memory rows),
-``memory_fit`` (setting changes that fit), ``compression.plan`` (wire bytes and link time per
-method) and ``model``'s LoRA on the meta device; nothing is allocated or downloaded.
+Composes the rest of the ``plan`` package: ``architecture`` (meta-device model, sizes, FLOPs),
+``memory`` (memory rows), ``fit`` (setting changes that fit), ``communication`` (wire bytes and
+link time per method) and ``local_update_memory``; with ``model``'s LoRA on the meta device and
+the methods' settings (``compression``, ``optim``). Nothing is allocated or downloaded.
 """
 
 from __future__ import annotations
@@ -15,24 +16,35 @@ import math
 import torch
 from transformers import PretrainedConfig
 
-from torchrun_ddp.architecture import (
+from torchrun_ddp.compression import (
+    TOPK_VALUE_DTYPES,
+    compression_settings,
+    diloco_payload_bytes,
+    sparseloco_payload_bytes,
+)
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.model import (
+    PRECISION_DTYPES,
+    apply_lora,
+    load_model_config,
+    lora_settings,
+)
+from torchrun_ddp.optim import (
+    LOCAL_UPDATE_METHODS,
+    PSEUDO_GRADIENT_DTYPES,
+    local_update_settings,
+)
+from torchrun_ddp.optim import describe as describe_local_updates
+from torchrun_ddp.plan.architecture import (
     llama2_7b_config,
     matmul_parameter_count,
     meta_model,
     missing_sizes,
     parameter_sizes,
 )
-from torchrun_ddp.compression import (
-    LOCAL_UPDATE_METHODS,
-    compression_settings,
-    diloco_payload_bytes,
-    local_update_settings,
-    sparseloco_payload_bytes,
-)
-from torchrun_ddp.compression.local_update_memory import MemoryRow, memory_rows
-from torchrun_ddp.compression.local_updates import PSEUDO_GRADIENT_DTYPES
-from torchrun_ddp.compression.local_updates import describe as describe_local_updates
-from torchrun_ddp.compression.plan import (
+from torchrun_ddp.plan.communication import (
     CommEstimate,
     Topology,
     communication_table,
@@ -42,18 +54,9 @@ from torchrun_ddp.compression.plan import (
     reference_methods,
     state_bytes,
 )
-from torchrun_ddp.compression.settings import TOPK_VALUE_DTYPES
-from torchrun_ddp.config import TrainConfig
-from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.errors import UserError
-from torchrun_ddp.memory_fit import suggestions
-from torchrun_ddp.memory_plan import MemoryPlan, PlanSettings, plan_memory
-from torchrun_ddp.model import (
-    PRECISION_DTYPES,
-    apply_lora,
-    load_model_config,
-    lora_settings,
-)
+from torchrun_ddp.plan.fit import suggestions
+from torchrun_ddp.plan.local_update_memory import MemoryRow, memory_rows
+from torchrun_ddp.plan.memory import MemoryPlan, PlanSettings, plan_memory
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -184,7 +187,7 @@ def communication_plan(
     config: TrainConfig, env: DistEnv, shapes: list[tuple[int, ...]], flops_per_token: float
 ) -> str:
     """Wire bytes and predicted times per step of this run's method (its --compression, or
-    DeMo's all-gather under --optimizer demo) and the reference methods (``compression.plan``)
+    DeMo's all-gather under --optimizer demo) and the reference methods (``plan.communication``)
     for the trained parameters of ``shapes``, for --plan-world-size ranks (else WORLD_SIZE),
     --plan-gpus-per-node and the --plan-*-gbit links; compute at --plan-tflops per rank."""
     world = config.plan_world_size or env.world_size

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from torchrun_ddp.compression.wire import sparseloco_payload_bytes
 
 if TYPE_CHECKING:
-    from torchrun_ddp.compression.local_updates import LocalUpdateSettings
+    from torchrun_ddp.optim.local_updates import LocalUpdateSettings
 
 SPARSELOCO_WORK_COPIES = 5
 """fp32 copies of one parameter alive at once in SparseLoCo's compression: the pseudo-gradient,

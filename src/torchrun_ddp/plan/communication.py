@@ -202,7 +202,7 @@ def demo_estimate(
     (:func:`~torchrun_ddp.compression.wire.demo_payload_bytes`), run by the optimizer after
     backward, so it never overlaps backward. Peng, Quesnelle & Kingma 2024, arXiv:2411.19870.
 
-    ``node_aware`` (``--compression-scope inter-node``, ``compression.demo_exchange``): an fp32
+    ``node_aware`` (``--compression-scope inter-node``, ``optim.exchange``): an fp32
     all-reduce of the gradients and an all-gather of the ``N`` nodes' messages inside the node
     (intra-node links), and across nodes one all-gather per local rank of its ``1 / L`` share,
     so the uplink carries ``(N - 1)`` whole messages. ``overlap`` (``--overlap-exchange``): the

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from torchrun_ddp.compression.local_updates import PendingSync
+from torchrun_ddp.optim.local_updates import PendingSync
 
 if TYPE_CHECKING:
-    from torchrun_ddp.compression.local_updates import LocalUpdates
+    from torchrun_ddp.optim.local_updates import LocalUpdates
 
 
 def _indexed(tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ a measurement:
 - Persistent state per rank: weights, DDP's gradient buckets and the AdamW moments (sharded by
   ``ZeroRedundancyOptimizer`` under zero1), plus a fixed overhead the caller can set (the CUDA
   context and NCCL buffers on a GPU, or the measured resident size of the Python process on CPU).
-- Compression state, as the caller computes it (``compression.plan.state_bytes``): persistent
+- Compression state, as the caller computes it (``plan.communication.state_bytes``): persistent
   error-feedback residuals and PowerSGD memories, and the comm hook's payload and decode buffers
   at the end of backward.
 - Transient state: gradients (``zero_grad(set_to_none=True)`` frees them every step),
@@ -28,7 +28,7 @@ buckets and optimizer state are counted exactly for every architecture. LoRA
 (``PlanSettings.adapter_sizes``): frozen base weights (bf16, or fp32 under fp32), fp32 adapters
 with their gradients and AdamW moments; activations are full fine-tuning's estimate for a bf16
 residual stream (approximate: frozen linears save less, adapters add rank-wide tensors).
-Which setting changes make a plan fit, and several plans side by side: ``memory_fit``. This
+Which setting changes make a plan fit, and several plans side by side: ``plan.fit``. This
 module stays a little over 500 lines on purpose: the settings, the byte tables, the activation
 derivation and the plan (full and LoRA) are one calculation, read top to bottom.
 
@@ -46,8 +46,8 @@ from dataclasses import dataclass, field, replace
 
 from transformers import PretrainedConfig
 
-from torchrun_ddp.architecture import Architecture, architecture, model_flops_per_token
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.plan.architecture import Architecture, architecture, model_flops_per_token
 
 GIB = 2**30
 MIB = 2**20

@@ -1,7 +1,7 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine-restarts schedule.
+"""AdamW with decoupled weight decay on matrices only (fused, foreach or for-loop), and ZeRO-1.
 
-AdamW: Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization". Cosine annealing with
-warm restarts: Loshchilov & Hutter 2017, "SGDR". Both come from ``torch.optim``.
+AdamW: Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization", from ``torch.optim``.
+ZeRO stage 1: Rajbhandari et al. 2020, through ``torch.distributed.optim.ZeroRedundancyOptimizer``.
 """
 
 from __future__ import annotations
@@ -9,12 +9,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import AdamW, Optimizer
-from torch.optim.lr_scheduler import (
-    CosineAnnealingWarmRestarts,
-    LinearLR,
-    LRScheduler,
-    SequentialLR,
-)
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, object]]:
@@ -64,23 +58,3 @@ def build_optimizer(
     if not zero1:
         return AdamW(groups, lr=learning_rate, **options)
     return ZeroRedundancyOptimizer(groups, optimizer_class=AdamW, lr=learning_rate, **options)
-
-
-def build_scheduler(
-    optimizer: Optimizer, warmup_steps: int, cycle_steps: int, cycle_mult: int, min_lr: float
-) -> LRScheduler:
-    """Linear warmup, then cosine annealing with warm restarts; stepped once per optimizer step.
-
-    With peak learning rate ``lr`` and ``W = warmup_steps``, the rate at step ``s`` is
-    ``lr * (s + 1) / W`` for ``s < W``; afterwards it follows SGDR from ``lr`` down to ``min_lr``
-    over ``cycle_steps`` steps, restarting at ``lr`` with each cycle ``cycle_mult`` times longer.
-    """
-    cosine = CosineAnnealingWarmRestarts(
-        optimizer, T_0=cycle_steps, T_mult=cycle_mult, eta_min=min_lr
-    )
-    if warmup_steps == 0:
-        return cosine
-    warmup = LinearLR(
-        optimizer, start_factor=1.0 / warmup_steps, end_factor=1.0, total_iters=warmup_steps - 1
-    )
-    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])

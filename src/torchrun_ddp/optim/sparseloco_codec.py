@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from torchrun_ddp.compression.demo import TileCodec
 from torchrun_ddp.compression.transform import tile_shape
 from torchrun_ddp.compression.wire import SCALE_BYTES, packed_bytes, position_bits
+from torchrun_ddp.optim.demo import TileCodec
 
 
 def chunk_codec(shape: tuple[int, ...], chunk: int, topk: int) -> TileCodec:

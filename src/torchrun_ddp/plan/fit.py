@@ -1,7 +1,7 @@
 """Which settings fit a device: the flag changes that make a memory plan fit (``suggestions``,
 shown by --dry-run and the fit check) and several plans side by side (``comparison_table``).
 
-Each candidate is re-planned with ``memory_plan.plan_memory``; nothing is allocated.
+Each candidate is re-planned with ``plan.memory.plan_memory``; nothing is allocated.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from transformers import PretrainedConfig
 
-from torchrun_ddp.memory_plan import GIB, MemoryPlan, PlanSettings, plan_memory
+from torchrun_ddp.plan.memory import GIB, MemoryPlan, PlanSettings, plan_memory
 
 _FLAGS: dict[str, Callable[[PlanSettings], PlanSettings | None]] = {
     "--precision bf16-mixed": lambda s: (

@@ -1,0 +1,58 @@
+"""Optimizers and the learning-rate schedule, including the optimizers that run their own
+exchanges instead of DDP's gradient all-reduce.
+
+Modules: ``adamw`` (torch's AdamW over two parameter groups, ZeRO-1), ``schedule`` (linear
+warmup, then cosine annealing with warm restarts), ``demo`` (DeMo: momentum top-k per DCT tile,
+its own all-gather, sign step; per-rank momentum as checkpoint state), ``local_updates``
+(DiLoCo and SparseLoCo: an inner AdamW stepped on the local gradient, a sync every
+``--local-steps``), ``sparseloco_codec`` (SparseLoCo's messages: top-k per chunk, quantization,
+bit packing), ``exchange`` (how DeMo's and SparseLoCo's messages travel: flat all-gather or
+node-aware, in flight across steps) and ``local_update_state`` (DiLoCo's and SparseLoCo's
+checkpoint state: synced and per rank).
+
+Imports: torch, ``errors``, ``config`` (``local_update_settings`` reads it), the
+``distributed`` types it is handed, and ``compression`` (the DCT transform and tiles, wire
+sizes, and ``CompressionState``, which counts every exchange's bytes). Nothing imports it but
+the composing modules (``build``, ``main``, ``training_state``) and ``plan``.
+"""
+
+from torchrun_ddp.optim.adamw import (
+    ADAMW_IMPLEMENTATIONS,
+    adamw_options,
+    build_optimizer,
+    parameter_groups,
+)
+from torchrun_ddp.optim.demo import DeMo, DemoSettings, LocalMomentum, build_demo, validate_demo
+from torchrun_ddp.optim.local_update_state import RankState, SyncedState
+from torchrun_ddp.optim.local_updates import (
+    LOCAL_UPDATE_METHODS,
+    PSEUDO_GRADIENT_DTYPES,
+    LocalUpdates,
+    LocalUpdateSettings,
+    build_local_updates,
+    describe,
+    local_update_settings,
+)
+from torchrun_ddp.optim.schedule import build_scheduler
+
+__all__ = [
+    "ADAMW_IMPLEMENTATIONS",
+    "LOCAL_UPDATE_METHODS",
+    "PSEUDO_GRADIENT_DTYPES",
+    "DeMo",
+    "DemoSettings",
+    "LocalMomentum",
+    "LocalUpdateSettings",
+    "LocalUpdates",
+    "RankState",
+    "SyncedState",
+    "adamw_options",
+    "build_demo",
+    "build_local_updates",
+    "build_optimizer",
+    "build_scheduler",
+    "describe",
+    "local_update_settings",
+    "parameter_groups",
+    "validate_demo",
+]

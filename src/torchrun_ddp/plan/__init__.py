@@ -1,0 +1,30 @@
+"""The plan before a run (``--dry-run``), and the sizes and FLOPs the run reports: what a
+configuration costs per rank in memory, FLOPs and wire bytes, without a GPU or a download.
+
+Modules: ``architecture`` (decoder sizes of any causal LM config, the meta-device model,
+parameter counts, training FLOPs per token, LLaMA-2-7B's config), ``memory`` (the per-rank
+memory and FLOP plan, full fine-tuning and LoRA), ``fit`` (setting changes that make a plan
+fit, plans side by side), ``communication`` (every method's wire bytes, link time and state
+memory: DDP's comm hooks, DeMo, DiLoCo, SparseLoCo; the bandwidth model),
+``local_update_memory`` (the memory rows DiLoCo and SparseLoCo add) and ``dry_run`` (the
+``--dry-run`` report and ``check_fits``, which refuses a run that does not fit).
+
+Imports: ``config``, ``distributed`` (its environment type), ``errors``, ``model`` (loading a
+model's config, LoRA on the meta model, precision dtypes), and the settings and wire sizes of
+``compression`` and ``optim``. It runs no collective and touches no device.
+"""
+
+from torchrun_ddp.plan.architecture import (
+    matmul_parameter_count,
+    model_flops_per_token,
+    parameter_count,
+)
+from torchrun_ddp.plan.dry_run import check_fits, dry_run
+
+__all__ = [
+    "check_fits",
+    "dry_run",
+    "matmul_parameter_count",
+    "model_flops_per_token",
+    "parameter_count",
+]
