@@ -13,7 +13,8 @@ import torch
 from distributed_harness import run_distributed
 from tiny_models import tiny_llama_config
 
-from torchrun_ddp.build import Inputs, agree_on_start, build_eval_set
+from torchrun_ddp.agreement import agree_on_start
+from torchrun_ddp.build import Inputs, build_eval_set
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError

@@ -7,7 +7,6 @@ metrics); they do not import each other.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -25,7 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from torchrun_ddp.checkpoint import StartPlan, find_latest, plan_start, read_meta, verify_start
+from torchrun_ddp.checkpoint import StorageLayout, find_latest, read_meta
 from torchrun_ddp.compression import (
     CompressionState,
     compression_settings,
@@ -40,7 +39,6 @@ from torchrun_ddp.metrics import (
     LogWindow,
     MetricsLogger,
     build_metrics,
-    check_records,
     device_peak_flops,
 )
 from torchrun_ddp.model import (
@@ -51,6 +49,7 @@ from torchrun_ddp.model import (
     load_model_config,
     lora_settings,
     max_positions,
+    settle_buckets,
     trainable_parameter_sizes,
     wrap_ddp,
 )
@@ -270,63 +269,6 @@ def checkpoint_root(config: TrainConfig) -> Path:
     return Path(config.checkpoint_dir or Path(config.output_dir) / "checkpoints")
 
 
-def decide_start(config: TrainConfig, restarted: bool = False) -> StartPlan:
-    """Rank 0: what to resume (``checkpoint.plan_start``). --no-resume applies to a job's first
-    attempt only: a ``restarted`` attempt (torchrun restart or re-rendezvous) resumes the run's
-    own checkpoints. Raises UserError when the checkpoint folder or metrics.jsonl hold another
-    run (see --overwrite-output-dir) or the checkpoint cannot be read."""
-    root = checkpoint_root(config)
-    resume = config.resume or restarted
-    overwrite = config.overwrite_output_dir and not resume and not config.resume_from
-    plan = plan_start(root, resume, config.resume_from, overwrite)
-    check_records(Path(config.output_dir) / "metrics.jsonl", plan.run_id, overwrite)
-    return plan
-
-
-def agree_on_start(
-    config: TrainConfig, env: DistEnv, device: torch.device, restarted: bool = False
-) -> StartPlan:
-    """Collective: rank 0 decides (``decide_start``) and broadcasts the plan or its error as
-    JSON; every rank then checks it sees the same complete checkpoint (``verify_start``).
-
-    Raises the same UserError on every rank, so no rank is left waiting in a collective. Any
-    other exception on rank 0 is re-raised there, and the other ranks raise RuntimeError with
-    its type and message, so every rank says why the start failed.
-    """
-    decision: dict[str, object] = {}
-    failure: Exception | None = None
-    if env.is_main:
-        try:
-            decision = {"plan": dataclasses.asdict(decide_start(config, restarted))}
-        except UserError as exc:  # only bad input: every rank must stop with the same message
-            decision = {"error": str(exc)}
-        except Exception as exc:  # re-raised below, once the other ranks are told
-            decision, failure = {"failure": f"{type(exc).__name__}: {exc}"}, exc
-    decision = broadcast_json(decision, device)
-    if failure is not None:
-        raise failure
-    if "failure" in decision:
-        raise RuntimeError(f"rank 0 failed deciding what to resume: {decision['failure']}")
-    if "error" in decision:
-        raise UserError(str(decision["error"]))
-    plan = StartPlan(**decision["plan"])
-    verify_start(plan, device)
-    return plan
-
-
-def broadcast_json(value: dict[str, object], device: torch.device) -> dict[str, object]:
-    """Rank 0's ``value`` on every rank, sent as UTF-8 JSON bytes (two broadcasts: the length,
-    then a uint8 tensor); JSON, not pickle, so nothing received is unpickled."""
-    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=0)
-    buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buffer, src=0)
-    return json.loads(bytes(buffer.cpu().tolist()).decode())
-
-
 def build_ddp_model(
     config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv
 ) -> tuple[torch.nn.Module, DistributedDataParallel, CompressionState]:
@@ -353,6 +295,8 @@ def build_ddp_model(
         config.gradient_as_bucket_view,
         config.ddp_static_graph,
     )
+    shape, vocab = (config.batch_size, config.seq_length), inputs.model_config.vocab_size
+    settle_buckets(ddp_model, shape, vocab, config.precision)
     node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
     if config.optimizer != "adamw":  # DeMo, DiLoCo, SparseLoCo exchange themselves: DDP stays local
         compression = register_local_gradients(ddp_model, node_groups=node_groups)
@@ -491,12 +435,24 @@ class Trainer:
     tokens_seen: int = 0
     """Tokens trained over all ranks and steps, counted across world-size changes (restored on
     resume)."""
+    storage: StorageLayout | None = None
+    """Which ranks share a checkpoint folder (None: every rank one folder)."""
+    data_since: int | None = 0
+    """The step since which the world size (and so each rank's share of the document order) has
+    not changed; 0 lets a lost rank's data position be replayed from the start (None: unknown,
+    a checkpoint from before it was recorded)."""
 
 
 def build_trainer(
-    config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs, run_id: str = ""
+    config: TrainConfig,
+    env: DistEnv,
+    device: torch.device,
+    inputs: Inputs,
+    run_id: str = "",
+    storage: StorageLayout | None = None,
 ) -> Trainer:
-    """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank."""
+    """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank;
+    ``storage``: its checkpoint folders (``agreement.detect_checkpoint_storage``)."""
     model, ddp_model, compression = build_ddp_model(config, device, inputs, env)
     optimizer = build_trainer_optimizer(config, model, compression)
     scheduler = build_scheduler(
@@ -529,4 +485,5 @@ def build_trainer(
         window=LogWindow(device, tokens, flops, peak * env.world_size if peak else math.inf),
         tokenizer=inputs.tokenizer,
         run_id=run_id,
+        storage=storage,
     )

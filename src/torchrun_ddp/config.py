@@ -284,8 +284,25 @@ class TrainConfig:
     # Checkpoints and resume
     checkpoint_dir: str = _opt(
         "",
-        "Folder of step-N checkpoints; empty means <output-dir>/checkpoints. Multi-node runs need "
-        "it on a file system shared by all nodes, at the same path.",
+        "Folder of step-N checkpoints; empty means <output-dir>/checkpoints. On several nodes "
+        "it may be one shared file system, or a folder of each node's or each site's own (see "
+        "--checkpoint-storage).",
+    )
+    checkpoint_storage: str = _opt(
+        "auto",
+        "Which ranks see one --checkpoint-dir. auto: found out at start (the ranks that see the "
+        "same folder share it: one shared file system, one per site, or one per node); shared: "
+        "every rank must see the same folder; node-local: every node (torchrun agent) has its "
+        "own. With more than one folder, each holds the whole replicated state and its ranks' "
+        "own, and a folder that lacks the checkpoint to resume gets it from a peer over the "
+        "process group.",
+        choices=["auto", "shared", "node-local"],
+    )
+    buddy_copies: int = _opt(
+        1,
+        "With more than one checkpoint folder: how many other folders also keep each rank's own "
+        "state (data position, RNGs, DeMo momentum, error feedback, ZeRO-1 shard), so that "
+        "losing that many folders loses none of it; 0 keeps it in the rank's own folder only.",
     )
     checkpoint_every: int = _opt(
         500, "Checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)."

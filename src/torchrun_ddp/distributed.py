@@ -239,6 +239,12 @@ _GROUPS: list[dist.ProcessGroup] = []
 """Process groups created besides the default one (``set_collective_timeout`` reaches them)."""
 
 
+def track_group(group: dist.ProcessGroup) -> None:
+    """Let ``set_collective_timeout`` reach ``group`` too (a group created elsewhere, such as a
+    storage domain's)."""
+    _GROUPS.append(group)
+
+
 def set_collective_timeout(seconds: int) -> None:
     """Timeout of every later collective on the default group and this project's other groups
     (``torch.distributed.set_timeout``; gloo and NCCL). A rank that is gone without closing its

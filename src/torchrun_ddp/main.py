@@ -24,10 +24,10 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from torchrun_ddp.agreement import agree_on_start, detect_checkpoint_storage
 from torchrun_ddp.build import (
     Inputs,
     Trainer,
-    agree_on_start,
     build_trainer,
     checkpoint_root,
     prepare_inputs,
@@ -98,18 +98,22 @@ def start(
     (or a torchrun restart count above 0) marks a restart of this job, which resumes its own
     checkpoints even under --no-resume."""
     restarted = attempt > 1 or env.restart_count > 0
-    plan = agree_on_start(config, env, device, restarted)
-    trainer = build_trainer(config, env, device, inputs, plan.run_id)
+    storage = detect_checkpoint_storage(config, env)
+    plan = agree_on_start(config, env, device, restarted, storage)
+    trainer = build_trainer(config, env, device, inputs, plan.run_id, storage)
     resume(trainer, plan)
     log.info(
         "attempt %d: ready to train from step %d, %.1f s after the process started",
         attempt, trainer.step, seconds_since_process_start(),
     )  # fmt: skip
-    if env.is_main:  # every start check has passed: the folder now belongs to this run
+    if env.rank == storage.leader:  # every start check has passed: the folder is this run's
         record_run_id(checkpoint_root(config), plan.run_id)
+    if env.is_main:
         metrics = Path(config.output_dir) / "metrics.jsonl"
         restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
         save_config(config, Path(config.output_dir) / "config.toml")
+        if plan.lost:  # counted where the run's metrics go: their own state was rebuilt
+            trainer.metrics.log({"step": trainer.step, "rebuilt_ranks": len(plan.lost)})
     return trainer
 
 

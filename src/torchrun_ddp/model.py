@@ -244,6 +244,31 @@ def wrap_ddp(
     )
 
 
+def settle_buckets(
+    model: DistributedDataParallel, shape: tuple[int, int], vocab_size: int, precision: str
+) -> None:
+    """Collective: one forward and backward through ``model`` of random token ids (``shape``:
+    [micro-batch, seq_length], drawn from a generator of its own) with the loss times zero, so
+    that DDP rebuilds its gradient buckets (it does so once, in the order gradients became
+    ready in the first backward) before the first real step; the gradients, all zero, are
+    dropped. Call before registering a comm hook.
+
+    Why: a run that resumes starts a new DDP wrapper, whose first step would all-reduce in
+    DDP's initial buckets while the uninterrupted run's step uses the rebuilt ones. With more
+    than two ranks the ring all-reduce then sums some elements in another order, and the resumed
+    run differs in the last bits (seen on 2 nodes x 2 ranks). With the buckets settled at
+    start, every step of every run uses the rebuilt layout. Costs one micro-batch's forward and
+    backward at start-up. DDP internals: https://pytorch.org/docs/stable/notes/ddp.html.
+    """
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab_size, shape, generator=generator).to(device)
+    with autocast_context(precision, device):
+        loss = model(input_ids=ids, labels=ids).loss
+    (loss * 0).backward()
+    model.zero_grad(set_to_none=True)
+
+
 def constant_buffers(model: torch.nn.Module) -> bool:
     """Whether no module of ``model`` updates its buffers in a training forward pass.
 

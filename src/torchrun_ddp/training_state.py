@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -27,6 +27,7 @@ from torchrun_ddp.checkpoint import (
     capture_rng_state,
     check_compatible,
     load_checkpoint,
+    load_owned_shards,
     load_rank_states,
     model_fingerprint,
     read_meta,
@@ -39,7 +40,7 @@ from torchrun_ddp.distributed import collective_timeout
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import export_final_model, lora_settings
 from torchrun_ddp.optim import DeMo, LocalMomentum, LocalUpdates, RankState, SyncedState
-from torchrun_ddp.training_data import DATA_ORDER
+from torchrun_ddp.training_data import DATA_ORDER, data_position
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -61,13 +62,19 @@ def shared_state(trainer: Trainer) -> dict[str, Stateful]:
     return state
 
 
-def rank_state(trainer: Trainer) -> dict[str, Stateful]:
-    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard,
-    DeMo's momentum, DiLoCo/SparseLoCo's inner AdamW state (and local parameters inside a
-    window, and SparseLoCo's error feedback; see ``optim.local_updates``)."""
+def several_folders(trainer: Trainer) -> bool:
+    """Whether the run's checkpoints go to more than one folder (storage domains)."""
+    return trainer.storage is not None and not trainer.storage.shared
+
+
+def rank_state(trainer: Trainer, shards_in_files: bool = False) -> dict[str, Stateful]:
+    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard
+    (its hyperparameters; with ``shards_in_files`` its tensors too, as with several checkpoint
+    folders), DeMo's momentum, DiLoCo/SparseLoCo's inner AdamW state (and local parameters
+    inside a window, and SparseLoCo's error feedback; see ``optim.local_updates``)."""
     state: dict[str, Stateful] = {"data": trainer.data, "compression": trainer.compression}
     if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
-        state["optimizer"] = ShardedOptimizer(trainer.optimizer, trainer.model)
+        state["optimizer"] = ShardedOptimizer(trainer.optimizer, trainer.model, shards_in_files)
     if isinstance(trainer.optimizer, DeMo):  # each rank's momentum is its own
         state["optimizer"] = LocalMomentum(trainer.optimizer)
     if isinstance(trainer.optimizer, LocalUpdates):  # each rank's inner AdamW is its own
@@ -75,9 +82,11 @@ def rank_state(trainer: Trainer) -> dict[str, Stateful]:
     return state
 
 
-def sharded_state(trainer: Trainer) -> dict[str, ShardedOptimizer]:
-    """ZeRO-1 optimizer state by parameter, saved through DCP to load at any world size."""
-    if not isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
+def sharded_state(trainer: Trainer, shards_in_files: bool = False) -> dict[str, ShardedOptimizer]:
+    """ZeRO-1 optimizer state by parameter, saved through DCP to load at any world size (with
+    ``shards_in_files`` it is per-rank state instead: a storage domain's DCP folder holds only
+    its own ranks' shards, so the shards go where buddy copies reach them)."""
+    if shards_in_files or not isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
         return {}
     return {"optimizer": ShardedOptimizer(trainer.optimizer, trainer.model)}
 
@@ -112,11 +121,14 @@ def save(trainer: Trainer) -> Path:
     """Save an exact-resume checkpoint of the step just finished (collective), under the
     start-up timeout (--timeout-s): a rank's write to a slow shared file system may take longer
     than a training step's collectives may wait."""
-    per_rank = {name: obj.state_dict() for name, obj in rank_state(trainer).items()}
+    in_files = several_folders(trainer)
+    per_rank = {name: obj.state_dict() for name, obj in rank_state(trainer, in_files).items()}
     per_rank["rng"] = capture_rng_state()
     meta = {**run_identity(trainer), "config": dataclasses.asdict(trainer.config)}
     meta["run_id"] = trainer.run_id
     meta["tokens_seen"] = trainer.tokens_seen
+    meta["data_since"] = trainer.data_since
+    meta["zero1_in_rank_files"] = in_files and trainer.config.zero1
     config = trainer.config
     with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
         path = save_checkpoint(
@@ -126,7 +138,8 @@ def save(trainer: Trainer) -> Path:
             per_rank,
             meta,
             keep=config.keep_checkpoints,
-            sharded=sharded_state(trainer),
+            sharded=sharded_state(trainer, in_files),
+            layout=trainer.storage,
         )
     log.info("saved checkpoint %s", path)
     return path
@@ -157,22 +170,30 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     saved.setdefault("exchange", ["global", False])  # checkpoints from before the option
     saved.setdefault("sync_delay", 0)
     check_compatible(saved, run_identity(trainer))
-    adapt_to_world_size(trainer, saved)
-    shared, sharded = shared_state(trainer), sharded_state(trainer)
-    per_rank = load_checkpoint(path, shared, sharded, reshard=True)
+    same_layout = adapt_to_world_size(trainer, saved)
+    in_files = bool(saved.get("zero1_in_rank_files"))
+    shared, sharded = shared_state(trainer), sharded_state(trainer, in_files)
+    group = trainer.storage.group if trainer.storage is not None else None
+    own = trainer.env.rank not in plan.lost
+    per_rank = load_checkpoint(path, shared, sharded, reshard=True, group=group, own=own)
     trainer.step = int(saved["step"])
     trainer.tokens_seen = int(saved["tokens_seen"])
-    if per_rank is None:
-        resume_resharded(trainer, path)
+    trainer.data_since = saved.get("data_since") if same_layout else trainer.step
+    if int(saved["world_size"]) != trainer.env.world_size:
+        resume_resharded(trainer, path, saved, plan.lost)
+    elif per_rank is None:
+        rebuild_own_state(trainer, path)
     else:
-        load_rank_state(trainer, per_rank, path)
+        load_rank_state(trainer, per_rank, path, in_files)
     log.info("resumed from %s at step %d", path, trainer.step)
 
 
-def load_rank_state(trainer: Trainer, per_rank: dict[str, object], path: Path) -> None:
+def load_rank_state(
+    trainer: Trainer, per_rank: dict[str, object], path: Path, shards_in_files: bool = False
+) -> None:
     """This rank's own state from a checkpoint of this world size; a layout that does not fit
     (e.g. DeMo's per-node shares under another ranks-per-node) is a UserError."""
-    for name, obj in rank_state(trainer).items():
+    for name, obj in rank_state(trainer, shards_in_files).items():
         if name != "optimizer":
             obj.load_state_dict(per_rank[name])
             continue
@@ -183,9 +204,46 @@ def load_rank_state(trainer: Trainer, per_rank: dict[str, object], path: Path) -
     restore_rng_state(per_rank["rng"])
 
 
-def adapt_to_world_size(trainer: Trainer, saved: dict[str, object]) -> None:
+def held_ranks(path: Path) -> list[int]:
+    """The ranks whose own files the checkpoint folder ``path`` holds."""
+    return sorted(int(file.stem.split("-")[1]) for file in path.glob("rank-*.json"))
+
+
+def rebuild_own_state(trainer: Trainer, path: Path) -> None:
+    """This rank's own state when no checkpoint folder holds it (more folders lost than
+    --buddy-copies; ``agreement.rebuild_problem`` allowed it): the data position is replayed
+    from the global document order (exact), the RNGs are seeded from (seed, step, rank), the
+    error feedback restarts from zero (the step count and PowerSGD's shared memories from
+    another rank), and so does DeMo's momentum (its hyperparameters and an update in flight
+    from another rank, or the schedule's learning rate). Warns what was reset."""
+    config, env, step = trainer.config, trainer.env, trainer.step
+    windows = step * config.accumulation_steps * config.batch_size
+    source = trainer.data.source
+    source.load_position(source.windows.replayed(env.rank, env.world_size, windows))
+    trainer.data.restored()
+    donors = held_ranks(path)[:1]
+    entry = load_rank_states(path, "compression", donors)[0] if donors else {"step": step}
+    reset = ["RNGs seeded from (seed, step, rank)"]
+    if trainer.compression.load_resharded(cast(Mapping, entry)):
+        reset.append("error feedback reset to zero")
+    if isinstance(trainer.optimizer, DeMo):
+        donor = load_rank_states(path, "optimizer", donors)[0] if donors else None
+        lrs = [float(lr) for lr in trainer.scheduler.get_last_lr()]
+        LocalMomentum(trainer.optimizer).load_reset(cast(Mapping | None, donor), lrs)
+        reset.append("DeMo momentum reset to zero")
+    seed_rng(f"{config.seed}:{step}:{env.rank}")
+    log.warning(
+        "rank %d: no checkpoint folder holds its own state of step %d; rebuilt: data position "
+        "replayed (exact), %s; the run is no longer bit-identical to an uninterrupted one",
+        env.rank, step, ", ".join(reset),
+    )  # fmt: skip
+
+
+def adapt_to_world_size(trainer: Trainer, saved: dict[str, object]) -> bool:
     """--keep-global-batch: set accumulation so the checkpoint's global batch stays (UserError
-    where the sizes do not divide). Logs the tokens per step when the world size changed."""
+    where the sizes do not divide). Logs the tokens per step when the world size changed.
+    Returns whether each rank's share of the data per step is unchanged (world size,
+    accumulation and micro-batch as saved)."""
     config, world = trainer.config, trainer.env.world_size
     old_world = int(saved["world_size"])
     old_config = saved.get("config") or {}
@@ -195,8 +253,9 @@ def adapt_to_world_size(trainer: Trainer, saved: dict[str, object]) -> None:
         trainer.config = dataclasses.replace(config, accumulation_steps=accumulation)
         trainer.data.accumulation_steps = accumulation
         trainer.window.tokens_per_step = tokens_per_step(trainer.config, trainer.env)
+    same = (old_world, old_accumulation, int(old_config.get("batch_size", config.batch_size)))
     if old_world == world:
-        return
+        return same == (world, trainer.config.accumulation_steps, config.batch_size)
     old_tokens = old_world * config.batch_size * old_accumulation * config.seq_length
     log.warning(
         "world size %d -> %d: tokens per step %d -> %d (world_size x micro-batch %d x "
@@ -204,16 +263,39 @@ def adapt_to_world_size(trainer: Trainer, saved: dict[str, object]) -> None:
         old_world, world, old_tokens, tokens_per_step(trainer.config, trainer.env),
         config.batch_size, trainer.config.accumulation_steps, config.seq_length,
     )  # fmt: skip
+    return False
 
 
-def resume_resharded(trainer: Trainer, path: Path) -> None:
+def old_data_positions(
+    trainer: Trainer, path: Path, saved: Mapping[str, object], lost: Sequence[int]
+) -> list[Mapping[str, object]]:
+    """Every old rank's data position: saved, or for the ``lost`` ranks replayed at the old
+    world size (``GlobalPackedWindows.replayed``)."""
+    old_world = int(saved["world_size"])
+    old_config = cast(Mapping[str, object], saved.get("config") or {})
+    per_rank = int(old_config["accumulation_steps"]) * int(old_config["batch_size"])
+    windows = trainer.data.source.windows
+    return [
+        windows.replayed(rank, old_world, trainer.step * per_rank)
+        if rank in lost
+        else data_position(load_rank_states(path, "data", [rank])[0])
+        for rank in range(old_world)
+    ]
+
+
+def resume_resharded(
+    trainer: Trainer, path: Path, saved: Mapping[str, object], lost: Sequence[int] = ()
+) -> None:
     """Per-rank state from a checkpoint of another world size: the data positions of all old
-    ranks are re-split among the new ones (every document still trained once), ZeRO-1 and the
-    schedule were loaded by ``load_checkpoint``, the error-feedback residuals are dropped (with
-    a warning), and the RNGs are seeded from (seed, step, rank)."""
-    trainer.data.source.load_resharded(load_rank_states(path, "data"))
+    ranks (replayed for ``lost`` ones) are re-split among the new ones (every document still
+    trained once), ZeRO-1 and the schedule were loaded by ``load_checkpoint`` (a ZeRO-1 shard
+    in per-rank files is read here), the error-feedback residuals are dropped (with a warning),
+    and the RNGs are seeded from (seed, step, rank)."""
+    trainer.data.source.load_resharded_positions(old_data_positions(trainer, path, saved, lost))
     trainer.data.restored()
-    dropped = trainer.compression.load_resharded(load_rank_states(path, "compression", [0])[0])
+    donor = min(set(range(int(saved["world_size"]))) - set(lost))
+    entry = load_rank_states(path, "compression", [donor])[0]
+    dropped = trainer.compression.load_resharded(cast(Mapping, entry))
     if dropped:
         log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
     if isinstance(trainer.optimizer, DeMo):  # per-rank momentum: W' ranks cannot share W's
@@ -224,9 +306,10 @@ def resume_resharded(trainer: Trainer, path: Path) -> None:
     elif isinstance(trainer.optimizer, LocalUpdates):  # its synced state loaded with the shared
         resume_local_updates(trainer.optimizer, trainer.env.rank, path)
     elif isinstance(trainer.optimizer, ZeroRedundancyOptimizer):  # hyperparameters, as rank 0's
-        ShardedOptimizer(trainer.optimizer, trainer.model).load_state_dict(
-            load_rank_states(path, "optimizer", [0])[0]
-        )
+        sharded = ShardedOptimizer(trainer.optimizer, trainer.model)
+        sharded.load_state_dict(cast(Mapping, load_rank_states(path, "optimizer", [0])[0]))
+        if saved.get("zero1_in_rank_files"):
+            load_owned_shards(path, sharded)
     seed_rng(f"{trainer.config.seed}:{trainer.step}:{trainer.env.rank}")
 
 

@@ -12,12 +12,21 @@ One concern per module (they import each other; nothing else in the package does
   state by parameter name, loadable at any world size), ``model_fingerprint``.
 - ``rng``: capture, restore and seed the global RNGs.
 - ``codec``: state trees split into JSON and tensors and joined back; fsynced file writes.
-- ``ranks``: rank, world size, barrier and agreement, with or without a process group.
+- ``ranks``: rank, world size, barrier and agreement, JSON broadcast and gather, with or without
+  a process group.
+- ``storage``: which ranks see one checkpoint folder (storage domains, found out with a probe at
+  start), ``StorageLayout`` (leaders, buddy copies, each domain's process group).
+- ``transfer``: files sent between ranks in bounded chunks over the process group, checked with
+  SHA-256 (a peer's recovery, buddy copies).
+- ``peers``: with several folders, each folder's inventory, the step every rank can resume, and
+  the copies that give a folder what it lacks (``agree_across``).
 
 Callers import from the package: ``from torchrun_ddp.checkpoint import save_checkpoint``.
 
-Multi-node rule: ``root`` must be a shared file system (NFS, Lustre, ...) mounted at the same path
-on every node; rank 0 creates, renames and prunes folders that the other ranks write into and read.
+Folders: with one shared file system (NFS, Lustre, ...) ``root`` is one folder and rank 0
+creates, renames and prunes the step folders that every rank writes into. Across sites or on
+node-local disks each storage domain has its own ``root``, holding a whole checkpoint, and its
+leader does that for it (``storage``, ``peers``).
 
 Sources: DCP, https://docs.pytorch.org/docs/stable/distributed.checkpoint.html and the recipe
 https://docs.pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html.
@@ -30,6 +39,8 @@ from torchrun_ddp.checkpoint.adapters import (
     model_fingerprint,
 )
 from torchrun_ddp.checkpoint.folders import MARKER, find_latest, read_meta
+from torchrun_ddp.checkpoint.peers import agree_across, inventory, plan_across
+from torchrun_ddp.checkpoint.ranks import all_gather_json, broadcast_json
 from torchrun_ddp.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
 from torchrun_ddp.checkpoint.run_identity import (
     RUN_FILE,
@@ -46,26 +57,46 @@ from torchrun_ddp.checkpoint.run_identity import (
 from torchrun_ddp.checkpoint.save_load import (
     check_compatible,
     load_checkpoint,
+    load_owned_shards,
     load_rank_states,
     save_checkpoint,
 )
+from torchrun_ddp.checkpoint.storage import (
+    STORAGE_MODES,
+    StorageLayout,
+    detect_storage,
+    single_layout,
+)
+from torchrun_ddp.checkpoint.transfer import Moved, Stream, exchange
 
 __all__ = [
     "MARKER",
     "RUN_FILE",
+    "STORAGE_MODES",
     "ModelAndOptimizer",
+    "Moved",
     "ShardedOptimizer",
     "StartPlan",
     "Stateful",
+    "StorageLayout",
+    "Stream",
+    "agree_across",
+    "all_gather_json",
+    "broadcast_json",
     "capture_rng_state",
     "check_compatible",
     "check_start",
     "delete_run",
+    "detect_storage",
+    "exchange",
     "find_latest",
+    "inventory",
     "load_checkpoint",
+    "load_owned_shards",
     "load_rank_states",
     "model_fingerprint",
     "new_run_id",
+    "plan_across",
     "plan_start",
     "read_meta",
     "read_run_id",
@@ -73,6 +104,7 @@ __all__ = [
     "restore_rng_state",
     "save_checkpoint",
     "seed_rng",
+    "single_layout",
     "verify_start",
     "write_run_id",
 ]

@@ -96,10 +96,13 @@ class ShardedOptimizer:
     ZeRO copies it to the local optimizer only when it steps).
     """
 
-    def __init__(self, zero: ZeroRedundancyOptimizer, model: nn.Module) -> None:
+    def __init__(
+        self, zero: ZeroRedundancyOptimizer, model: nn.Module, owned_in_state: bool = False
+    ) -> None:
         self.zero = zero
         inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         self.names = {id(param): name for name, param in inner.named_parameters()}
+        self.owned_in_state = owned_in_state
 
     def _owned(self) -> list[tuple[str, torch.Tensor]]:
         return [
@@ -137,16 +140,24 @@ class ShardedOptimizer:
 
     def state_dict(self) -> dict[str, object]:
         """``{"param_groups": [...], "zero_groups": [...]}``: the local optimizer's and ZeRO's
-        groups without their parameters (JSON)."""
+        groups without their parameters (JSON); with ``owned_in_state`` also ``"owned"``, the
+        ``owned_state`` tensors (the shard kept in per-rank files, with several checkpoint
+        folders)."""
         local = self.zero.optim.state_dict()["param_groups"]
         inner = [{k: v for k, v in group.items() if k != "params"} for group in local]
         outer = [
             {k: v for k, v in group.items() if k != "params"} for group in self.zero.param_groups
         ]
-        return {"param_groups": inner, "zero_groups": outer}
+        state: dict[str, object] = {"param_groups": inner, "zero_groups": outer}
+        if self.owned_in_state:
+            state["owned"] = self.owned_state()
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
-        """Restore the hyperparameters of ``state_dict`` (from any rank of any world size)."""
+        """Restore the hyperparameters of ``state_dict`` (from any rank of any world size), and
+        with ``owned_in_state`` the shard it holds (this rank's own, same world size)."""
+        if self.owned_in_state and "owned" in state_dict:
+            self.load_owned(cast(Mapping[str, Mapping[str, torch.Tensor]], state_dict["owned"]))
         inner = cast(list[Mapping[str, object]], state_dict["param_groups"])
         for group, saved_group in zip(self.zero.optim.param_groups, inner, strict=True):
             group.update(saved_group)

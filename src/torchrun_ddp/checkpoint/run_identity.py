@@ -31,7 +31,7 @@ from torchrun_ddp.checkpoint.ranks import distributed, rank_and_world
 from torchrun_ddp.errors import UserError
 
 RUN_FILE = "run.json"
-_OTHER_RUN = (
+OTHER_RUN = (
     "pass a new --checkpoint-dir (and --output-dir), or add --no-resume --overwrite-output-dir "
     "to delete the old run's checkpoints and metrics"
 )
@@ -45,6 +45,9 @@ class StartPlan:
     run_id: str
     path: str | None = None
     step: int = 0
+    lost: tuple[int, ...] = ()
+    """Ranks of the checkpoint whose own state no folder holds (several storage domains, more
+    lost than buddy copies): the caller rebuilds it (``peers.plan_across``)."""
 
 
 def read_run_id(root: Path) -> str | None:
@@ -58,9 +61,9 @@ def read_run_id(root: Path) -> str | None:
     try:
         value = json.loads(file.read_text()).get("run_id")
     except (OSError, json.JSONDecodeError, AttributeError) as exc:
-        raise UserError(f"cannot read the run id in {file} ({exc}); {_OTHER_RUN}") from exc
+        raise UserError(f"cannot read the run id in {file} ({exc}); {OTHER_RUN}") from exc
     if not isinstance(value, str):
-        raise UserError(f"{file} has no run_id string; {_OTHER_RUN}")
+        raise UserError(f"{file} has no run_id string; {OTHER_RUN}")
     return value
 
 
@@ -97,7 +100,7 @@ def plan_start(root: Path, resume: bool, resume_from: str, overwrite: bool) -> S
             if not overwrite:
                 raise UserError(
                     f"--no-resume: --checkpoint-dir {root} holds the checkpoints of run "
-                    f"{existing or '(unnamed)'}, which a new run must not mix with; {_OTHER_RUN}"
+                    f"{existing or '(unnamed)'}, which a new run must not mix with; {OTHER_RUN}"
                 )
             delete_run(root)
         return StartPlan(new_run_id())

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import cast
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -63,7 +64,9 @@ from torchrun_ddp.checkpoint.folders import (
     read_meta,
     remove_incomplete,
 )
-from torchrun_ddp.checkpoint.ranks import barrier, every_rank_ok, rank_and_world
+from torchrun_ddp.checkpoint.ranks import all_gather_json, barrier, every_rank_ok, rank_and_world
+from torchrun_ddp.checkpoint.storage import StorageLayout, single_layout
+from torchrun_ddp.checkpoint.transfer import Stream, exchange
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import fault_point
 
@@ -76,6 +79,7 @@ def save_checkpoint(
     meta: Mapping[str, object],
     keep: int,
     sharded: Mapping[str, ShardedOptimizer] | None = None,
+    layout: StorageLayout | None = None,
 ) -> Path:
     """Write ``<root>/step-<step>/`` from every rank (collective) and return its path.
 
@@ -91,6 +95,12 @@ def save_checkpoint(
     An existing ``step-<step>`` is replaced. Afterwards only the newest ``keep``
     complete checkpoints remain. Every rank returns after the marker is written.
 
+    ``layout`` (default: one folder for every rank): with several storage domains each rank's
+    ``root`` is its domain's folder; the domain's ranks write the whole replicated state there
+    (DCP in the domain's process group), each rank its own files, and each rank's files are
+    also copied to its buddy ranks' folders (``StorageLayout.buddy_targets``, bounded chunks);
+    the domain's leader publishes and prunes its folder.
+
     Raises ``ValueError`` for ``keep < 1`` and ``TypeError`` for a value JSON cannot hold, both
     before any file is touched or any collective is entered. Raises UserError when the device
     of ``root`` is full (ENOSPC): the unfinished ``step-<step>.tmp`` is never published, so the
@@ -99,24 +109,27 @@ def save_checkpoint(
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     rank, world_size = rank_and_world()
+    layout = layout or single_layout(world_size)
+    leader = rank == layout.leader
     shared_tree, shared_tensors = _split_shared(shared)
     rank_tensors: dict[str, torch.Tensor] = {}
     rank_tree = split_tree(per_rank, "", rank_tensors)
     dcp_tensors = {**shared_tensors, **sharded_tensors(sharded or {})}
     meta_text = json.dumps({**meta, "step": step, "world_size": world_size})
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
-    if rank == 0:
+    if leader:
         remove_incomplete(root)
         tmp.mkdir(parents=True)
     barrier()
     failure: BaseException | None = None
     try:
         if shared_tensors or sharded:  # the same on every rank: all or none enter it
-            dcp.save(untied(dcp_tensors), storage_writer=_writer(tmp / DCP_DIR))
+            writer = _writer(tmp / DCP_DIR)
+            dcp.save(untied(dcp_tensors), storage_writer=writer, process_group=layout.group)
         cpu = {key: value.cpu().contiguous() for key, value in untied(rank_tensors).items()}
         write_bytes(tmp / f"rank-{rank}.safetensors", safetensors_bytes(cpu))
         write_json(tmp / f"rank-{rank}.json", rank_tree)
-        if rank == 0:
+        if leader:
             write_json(tmp / SHARED_JSON, shared_tree)
             write_bytes(tmp / META_JSON, meta_text.encode())
     except (OSError, CheckpointException) as exc:
@@ -129,15 +142,30 @@ def save_checkpoint(
             "the newest complete checkpoint is kept: free space (or lower --keep-checkpoints) "
             "and restart to resume from it"
         ) from failure
+    if layout.buddy_copies:
+        exchange(buddy_streams(layout, tmp, rank), tmp, tmp)
     fault_point("checkpoint-write", step)
     barrier()
-    if rank == 0:
+    if leader:
         publish(tmp, final, step)
         prune(root, keep)
     else:
         fault_point("publish", step)
     barrier()
     return final
+
+
+def buddy_streams(layout: StorageLayout, folder: Path, rank: int) -> list[Stream]:
+    """Collective: the streams that copy every rank's ``rank-<r>.json`` and
+    ``rank-<r>.safetensors`` (sizes read in ``folder``, gathered) to its buddy targets."""
+    names = (f"rank-{rank}.json", f"rank-{rank}.safetensors")
+    sizes = [[name, (folder / name).stat().st_size] for name in names]
+    every = all_gather_json(sizes)
+    return [
+        Stream(sender, target, tuple((str(name), int(size)) for name, size in every[sender]))
+        for sender in range(len(every))
+        for target in layout.buddy_targets(sender)
+    ]
 
 
 def check_compatible(saved: Mapping[str, object], current: Mapping[str, object]) -> None:
@@ -165,6 +193,8 @@ def load_checkpoint(
     shared: Mapping[str, Stateful],
     sharded: Mapping[str, ShardedOptimizer] | None = None,
     reshard: bool = False,
+    group: dist.ProcessGroup | None = None,
+    own: bool = True,
 ) -> dict[str, object] | None:
     """Restore ``shared`` and ``sharded`` in place from ``path`` (collective) and return this
     rank's ``per_rank``.
@@ -176,6 +206,10 @@ def load_checkpoint(
     size. Per-rank tensors come back on the CPU. With ``reshard`` and a checkpoint of another
     world size, the per-rank state of the old ranks is not this rank's: None is returned (read
     it with ``load_rank_states``).
+
+    ``group``: the ranks that read ``path``'s folder together (a storage domain's process
+    group; None: every rank). ``own`` False: this rank's own files are not read (no folder
+    holds them; the caller rebuilds its state) and None is returned.
 
     Raises UserError if ``path`` is incomplete, was saved with another world size (unless
     ``reshard``), or its tensors do not match the objects in ``shared`` (names or count).
@@ -190,12 +224,13 @@ def load_checkpoint(
     if template or sharded:
         reader = dcp.HuggingFaceStorageReader(str(path / DCP_DIR))
         owned = sharded_template(reader, sharded or {})
-        dcp.load({**template, **owned}, storage_reader=reader)
+        dcp.load({**template, **owned}, storage_reader=reader, process_group=group)
         load_sharded(sharded or {}, owned)
     restored = cast(dict[str, Mapping[str, object]], join_tree(saved_tree, template))
     for name, obj in shared.items():
         obj.load_state_dict(restored[name])
-    state = _load_tree(path, f"rank-{rank}") if meta["world_size"] == world_size else None
+    same_world = meta["world_size"] == world_size
+    state = _load_tree(path, f"rank-{rank}") if same_world and own else None
     barrier()
     return state
 
@@ -220,6 +255,28 @@ def load_rank_states(path: Path, name: str, ranks: list[int] | None = None) -> l
                 tensors[key] = handle.get_tensor(key)
         out.append(join_tree(tree, tensors))
     return out
+
+
+def load_owned_shards(path: Path, sharded: ShardedOptimizer, entry: str = "optimizer") -> None:
+    """Give ``sharded`` (ZeRO-1 at any world size) the state of the parameters it owns now, read
+    from the ``<entry>/owned/<parameter>/<key>`` tensors of every old rank's per-rank file
+    (where a checkpoint with several folders keeps the shards). Reads only those tensors. No
+    collective. Raises UserError if a rank's file is missing."""
+    owned = set(sharded.owned_names())
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    prefix = f"{entry}/owned/"
+    for rank in range(int(read_meta(path)["world_size"])):
+        file = path / f"rank-{rank}.safetensors"
+        if not file.is_file():
+            raise UserError(f"{file} is missing; {HINT}")
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if not key.startswith(prefix):
+                    continue
+                parameter, name = key[len(prefix) :].rsplit("/", 1)
+                if parameter in owned:
+                    state.setdefault(parameter, {})[name] = handle.get_tensor(key)
+    sharded.load_owned(state)
 
 
 def _split_shared(shared: Mapping[str, Stateful]) -> tuple[object, dict[str, torch.Tensor]]:

@@ -411,6 +411,21 @@ class LocalMomentum:
         flight = InFlight(empty, None, [(float(lr), float(wd)) for lr, wd in lrs], parts)
         self.optimizer.pending = flight
 
+    def load_reset(self, donor: Mapping[str, object] | None, lrs: list[float]) -> None:
+        """Continue a rank whose own momentum is lost (no checkpoint folder holds it): the
+        momentum stays zero (as built), the groups' hyperparameters and an update in flight
+        (the same gathered messages on every rank) come from another rank's ``state_dict``
+        ``donor``; without one, each group's learning rate is set to ``lrs`` (the schedule's
+        last)."""
+        if donor is None:
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            return
+        groups = cast(list[Mapping[str, object]], donor["param_groups"])
+        for group, saved_group in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+        self._load_pending(cast(Mapping[str, object] | None, donor.get("pending")))
+
 
 def build_demo(
     param_groups: list[dict[str, object]],

@@ -44,6 +44,7 @@ from torchrun_ddp.plan.architecture import (
     missing_sizes,
     parameter_sizes,
 )
+from torchrun_ddp.plan.checkpoint import checkpoint_sizes, checkpoint_table
 from torchrun_ddp.plan.communication import (
     CommEstimate,
     Topology,
@@ -145,7 +146,20 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
         lines.append(local_update_memory_table(extra, config))
     shapes = trained_shapes(config, model_config)
     lines.append(communication_plan(config, env, shapes, plan.flops_per_token))
+    lines.append(checkpoint_plan(config, plan, shapes))
     return "\n".join(lines)
+
+
+def checkpoint_plan(config: TrainConfig, plan: MemoryPlan, shapes: list[tuple[int, ...]]) -> str:
+    """``plan.checkpoint``'s table for this run's world size and --plan-gpus-per-node."""
+    world = plan.settings.world_size
+    per_node = min(config.plan_gpus_per_node, world)
+    trained = sum(math.prod(shape) for shape in shapes)
+    hook = 0
+    if config.optimizer == "adamw":
+        hook, _ = state_bytes(compression_settings(config), [trained], world, 0)
+    sizes = checkpoint_sizes(config, plan.parameters, trained, world, hook)
+    return checkpoint_table(sizes, config, world, per_node)
 
 
 def local_update_memory(

@@ -207,6 +207,8 @@ class GlobalPackedWindows(torch.utils.data.IterableDataset):
         max_bad_records: int = 0,
     ) -> None:
         super().__init__()
+        self.settings = (documents, tokenizer, seq_length, epochs, shuffle_buffer, seed)
+        self.max_bad_records = max_bad_records
         block = shuffle_buffer or UNSHUFFLED_BLOCK
         shuffle = shuffle_buffer > 0
         self.blocks = DocumentBlocks(documents, block, seed, shuffle, max_bad_records)
@@ -268,6 +270,22 @@ class GlobalPackedWindows(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Continue from a ``state_dict`` (or ``reshard_positions``) result."""
         self.state = copy.deepcopy(dict(state))
+
+    def replayed(self, rank: int, world_size: int, windows: int) -> dict[str, object]:
+        """The position (``state_dict``) of ``rank`` of ``world_size`` after its first
+        ``windows`` windows of this order, read again from the start (the order is a pure
+        function of the seed and the position): the data position of a rank whose own saved
+        state is lost, exact where the world size never changed. Costs reading and tokenising
+        that rank's share of the stream up to there."""
+        documents, tokenizer, seq_length, epochs, shuffle_buffer, seed = self.settings
+        twin = GlobalPackedWindows(
+            documents, tokenizer, seq_length, rank, world_size, epochs, shuffle_buffer, seed,
+            self.max_bad_records,
+        )  # fmt: skip
+        twin.blocks.report_bad = False
+        for _ in zip(range(windows), twin, strict=False):
+            pass
+        return twin.state_dict()
 
 
 def reshard_positions(

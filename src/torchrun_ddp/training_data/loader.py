@@ -72,11 +72,20 @@ class TrainLoader:
     def load_resharded(self, states: Sequence[Mapping[str, object]]) -> None:
         """Resume from ``state_dict()`` of every rank of a run at another world size (in rank
         order): their positions are re-split by ``reshard_positions``."""
-        positions = [data_position(state) for state in states]
+        self.load_resharded_positions([data_position(state) for state in states])
+
+    def load_resharded_positions(self, positions: Sequence[Mapping[str, object]]) -> None:
+        """Resume from the data positions (``GlobalPackedWindows.state_dict``) of every rank of
+        a run at another world size, in rank order, re-split by ``reshard_positions``."""
         world = int(self.windows.state["world_size"])
         rank = int(self.windows.state["rank"])
         block = self.windows.blocks.block_size
-        self.windows.load_state_dict(reshard_positions(positions, world, block)[rank])
+        self.load_position(reshard_positions(positions, world, block)[rank])
+
+    def load_position(self, position: Mapping[str, object]) -> None:
+        """Resume at a data position (``GlobalPackedWindows.state_dict``), e.g. one replayed
+        for a rank whose own saved state is lost (``GlobalPackedWindows.replayed``)."""
+        self.windows.load_state_dict(position)
         self.loader = self._new_loader()
 
 

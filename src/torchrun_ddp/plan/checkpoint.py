@@ -1,0 +1,83 @@
+"""The checkpoint plan of ``--dry-run``: what one node's folder holds when every node keeps its
+own (``--checkpoint-storage node-local``, or ``auto`` across sites), what buddy copies send
+over the uplink at each checkpoint, and what a node whose disk was wiped gets from a peer, in
+bytes and in seconds at ``--plan-inter-node-gbit``.
+
+Sizes follow what ``training_state`` saves: the replicated state (DCP) holds the model and, for
+AdamW without ZeRO-1, its two moments; DiLoCo/SparseLoCo add their synced fp32 copy (and
+DiLoCo's outer momentum). Each rank's own files hold its data position and RNGs (kilobytes),
+the comm hook's error feedback, and the optimizer state that differs by rank: a ZeRO-1 shard of
+the moments, DeMo's fp32 momentum, or DiLoCo's/SparseLoCo's inner moments, SparseLoCo's fp32
+error feedback and, inside a window, the local parameters (counted: the largest case). A frozen
+LoRA base is not saved (it is rebuilt from --model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.model import PRECISION_DTYPES
+
+FP32 = 4
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CheckpointSizes:
+    """Bytes of one checkpoint: ``replicated`` (in every folder) and ``per_rank`` (one rank's
+    own files)."""
+
+    replicated: int
+    per_rank: int
+
+
+def checkpoint_sizes(
+    config: TrainConfig, parameters: int, trained: int, world_size: int, hook_state: int
+) -> CheckpointSizes:
+    """The bytes a checkpoint of this run takes: ``parameters`` in the model, ``trained`` of
+    them trained (the adapters under LoRA), ``hook_state`` bytes of comm-hook state per rank
+    (``communication.state_bytes``' persistent part)."""
+    weight = PRECISION_DTYPES[config.precision].itemsize
+    moments = 2 * weight * trained  # AdamW's exp_avg and exp_avg_sq, in the weights' dtype
+    lora = config.peft != "none"
+    model = trained * FP32 if lora else parameters * weight
+    replicated, own = model, hook_state
+    if config.optimizer == "adamw" and config.zero1:
+        own += moments // world_size
+    elif config.optimizer == "adamw":
+        replicated += moments
+    elif config.optimizer == "demo":
+        own += trained * FP32
+    else:
+        outer = FP32 * trained if config.optimizer == "diloco" and config.outer_momentum else 0
+        replicated += FP32 * trained + outer
+        error = FP32 * trained if config.optimizer == "sparseloco" else 0
+        own += moments + error + weight * trained
+    return CheckpointSizes(replicated, own)
+
+
+def checkpoint_table(sizes: CheckpointSizes, config: TrainConfig, world: int, per_node: int) -> str:
+    """The per-node rows as a Markdown table (GiB, and seconds at --plan-inter-node-gbit)."""
+    nodes = max(1, world // per_node)
+    copies = min(config.buddy_copies, nodes - 1)
+    link = config.plan_inter_node_gbit * 1e9 / 8  # bytes per second
+    folder = sizes.replicated + per_node * (1 + copies) * sizes.per_rank
+    sent = per_node * copies * sizes.per_rank
+    rows = [
+        ("replicated state, in every folder", sizes.replicated, None),
+        ("one rank's own state", sizes.per_rank, None),
+        (f"a node's folder: replicated + {per_node} x {1 + copies} ranks' own", folder, None),
+        ("buddy copies a node sends per checkpoint", sent, sent / link),
+        ("a wiped node's recovery from a peer", folder, folder / link),
+    ]
+    title = (
+        f"checkpoints with a folder per node: {world} ranks = {nodes} node(s) x {per_node}, "
+        f"--buddy-copies {config.buddy_copies} ({copies} kept), links of "
+        f"{config.plan_inter_node_gbit:g} Gbit/s between nodes"
+    )
+    lines = [f"| {title} | GiB | seconds |", "|---|---:|---:|"]
+    for name, nbytes, seconds in rows:
+        time = "" if seconds is None else f"{seconds:.1f}"
+        lines.append(f"| {name} | {nbytes / GIB:.2f} | {time} |")
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""Checkpoints with a folder per node (--checkpoint-storage auto): 4 real gloo ranks as 2 nodes
+of 2, each node with its own --checkpoint-dir, training the hidden-64 LLaMA through the real
+trainer. A node whose folder is wiped gets the checkpoint from its peer and the run ends
+bit-identical to an uninterrupted one (dense AdamW, ZeRO-1, DeMo, SparseLoCo); lost per-rank state
+is rebuilt where it can be (DeMo) and refused in one line where not (ZeRO-1); a folder with an
+older newest step makes every rank resume the common step; a node that joins with an empty folder
+is served at the new world size. The torchrun agents' own kill and restart: test_faults.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from distributed_harness import REPO, run_distributed
+from tiny_models import digest, logged_losses, train_in_group
+
+from torchrun_ddp.errors import UserError
+
+pytestmark = pytest.mark.slow  # several 4-rank training runs
+
+METHODS = {
+    "adamw": [],
+    "zero1": ["--zero1"],
+    "demo": ["--optimizer", "demo", "--compression", "none"],
+    "sparseloco": ["--optimizer", "sparseloco", "--local-steps", "3", "--compression", "none"],
+}
+
+
+def _argv(base: Path, node: int, steps: int, extra: list[str]) -> list[str]:
+    data = REPO / "data"
+    return [
+        "--config", str(REPO / "configs" / "tiny.toml"),
+        "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
+        "--tokenizer", str(data / "tokenizer" / "mistral-7b-v0.1"),
+        "--data-files", str(data / "c4" / "*train*.json.gz"),
+        "--eval-files", str(data / "c4" / "*validation*.json.gz"),
+        "--output-dir", str(base / "out"), "--checkpoint-dir", str(base / f"node-{node}"),
+        "--seq-length", "32", "--batch-size", "1", "--max-steps", str(steps),
+        "--checkpoint-every", "2", "--log-every", "1", "--eval-every", "0",
+        "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1", *extra,
+    ]  # fmt: skip
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _train(
+    rank: int, world: int, base: str, steps: int, extra: list[str], per_node: int = 2
+) -> dict[str, object]:
+    """One run on this rank, node ``rank // per_node`` with folder ``base/node-<n>``: the
+    final parameters' digest, the step reached and the warnings, or the one-line refusal."""
+    warnings = _Warnings()
+    logging.getLogger("torchrun_ddp").addHandler(warnings)
+    try:
+        trainer = train_in_group(
+            rank, world, _argv(Path(base), rank // per_node, steps, extra), False, per_node
+        )
+    except UserError as exc:
+        return {"error": str(exc)}
+    finally:
+        logging.getLogger("torchrun_ddp").removeHandler(warnings)
+    params = {name: p for name, p in trainer.model.module.named_parameters()}
+    return {"digest": digest(params), "step": trainer.step, "warnings": warnings.lines}
+
+
+def _run(base: Path, steps: int, extra: list[str], world: int = 4) -> list[dict[str, object]]:
+    return run_distributed(_train, world, str(base), steps, extra, timeout=300.0)
+
+
+def _wipe_own_state(folder: Path) -> None:
+    for file in folder.glob("step-*/rank-*"):
+        file.unlink()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[str]]]:
+    """Every method trained 6 steps uninterrupted (checkpoints at 2, 4 and 6 in both folders):
+    the run's folder and every rank's final parameters' digest."""
+    runs = {}
+    for method, flags in METHODS.items():
+        base = tmp_path_factory.mktemp(method)
+        results = _run(base, 6, flags)
+        runs[method] = (base, [str(r["digest"]) for r in results])
+    return runs
+
+
+def _from_step_4(reference: Path, target: Path) -> None:
+    """``target``: the reference run as it was after step 4 (metrics trimmed on resume)."""
+    shutil.copytree(reference, target, dirs_exist_ok=True)
+    for node in (0, 1):
+        shutil.rmtree(target / f"node-{node}" / "step-6")
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_wiped_node_folder_is_served_by_its_peer_and_the_run_ends_bit_identical(
+    method: str, references: dict[str, tuple[Path, list[str]]], tmp_path: Path
+) -> None:
+    reference, digests = references[method]
+    _from_step_4(reference, tmp_path)
+    shutil.rmtree(tmp_path / "node-1")  # a replaced machine: nothing on its disk
+    resumed = _run(tmp_path, 6, METHODS[method])
+    assert [r["digest"] for r in resumed] == digests, method
+    assert logged_losses(tmp_path / "out") == logged_losses(reference / "out")
+    assert (tmp_path / "node-1" / "step-6" / "COMPLETE").is_file()
+    fetched = sorted(p.name for p in (tmp_path / "node-1" / "step-4").glob("rank-*"))
+    own = [f"rank-{rank}.{ext}" for rank in range(4) for ext in ("json", "safetensors")]
+    assert fetched == sorted(own)  # its own ranks' files and the buddy copies, from node 0
+    assert not [w for r in resumed for w in r["warnings"] if "rebuilt" in w]
+
+
+def test_own_state_lost_on_every_node_is_rebuilt_for_demo_and_refused_for_zero1(
+    references: dict[str, tuple[Path, list[str]]], tmp_path: Path
+) -> None:
+    """Both folders lose every per-rank file (one buddy copy is not enough): DeMo goes on,
+    each rank warning what was reset, and the metrics count the rebuilt ranks; ZeRO-1 stops
+    every rank with one line."""
+    for method in ("demo", "zero1"):
+        _from_step_4(references[method][0], tmp_path / method)
+        for node in (0, 1):
+            _wipe_own_state(tmp_path / method / f"node-{node}")
+    demo = _run(tmp_path / "demo", 6, METHODS["demo"])
+    assert [r["step"] for r in demo] == [6, 6, 6, 6]
+    for rank, result in enumerate(demo):
+        rebuilt = [w for w in result["warnings"] if "no checkpoint folder holds its own" in w]
+        assert len(rebuilt) == 1 and rebuilt[0].startswith(f"rank {rank}:"), result["warnings"]
+        assert "data position replayed (exact)" in rebuilt[0]
+        assert "DeMo momentum reset to zero" in rebuilt[0]
+    records = (tmp_path / "demo" / "out" / "metrics.jsonl").read_text().splitlines()
+    counted = [json.loads(r) for r in records if "rebuilt_ranks" in r]
+    assert [(r["step"], r["rebuilt_ranks"]) for r in counted] == [(4, 4)]
+    zero1 = _run(tmp_path / "zero1", 6, METHODS["zero1"])
+    errors = {r.get("error") for r in zero1}
+    assert len(errors) == 1
+    error = str(errors.pop())
+    assert error.startswith("no checkpoint can be resumed: step 4: the own state of ranks 0, 1")
+    assert "a ZeRO-1 optimizer shard cannot be rebuilt" in error and "\n" not in error
+
+
+def test_a_folder_whose_newest_step_is_older_makes_every_rank_resume_the_common_step(
+    references: dict[str, tuple[Path, list[str]]], tmp_path: Path
+) -> None:
+    """Node 1 lost its step 6, and node 0 holds no buddy copy of node 1's ranks for it (as with
+    --buddy-copies 0): step 6 cannot be resumed exactly, so every rank resumes step 4, and
+    node 0's step 6 is set aside."""
+    shutil.copytree(references["adamw"][0], tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "node-1" / "step-6")
+    for file in (tmp_path / "node-0" / "step-6").glob("rank-[23].*"):
+        file.unlink()
+    again = _run(tmp_path, 7, METHODS["adamw"])
+    assert [r["step"] for r in again] == [7, 7, 7, 7]
+    assert (tmp_path / "node-0" / "step-6.stale").is_dir()
+    assert any("resuming the older step 4" in w for w in again[0]["warnings"])
+    losses = logged_losses(tmp_path / "out")
+    assert sorted(losses) == list(range(1, 8))
+    assert losses[5] == logged_losses(references["adamw"][0] / "out")[5]  # the same step 5
+
+
+def test_a_node_that_joins_with_an_empty_folder_is_served_at_the_new_world_size(
+    tmp_path: Path,
+) -> None:
+    """One node of 2 ranks trains 4 steps; a second node with an empty folder joins (world
+    size 4): it gets step 4 from the first node and both resume it, re-split."""
+    alone = run_distributed(_train, 2, str(tmp_path), 4, [], 2, timeout=300.0)
+    assert [r["step"] for r in alone] == [4, 4]
+    joined = _run(tmp_path, 6, [])
+    assert [r["step"] for r in joined] == [6, 6, 6, 6]
+    assert (tmp_path / "node-1" / "step-6" / "COMPLETE").is_file()
+    assert any("world size 2 -> 4" in w for w in joined[0]["warnings"])
+    losses = logged_losses(tmp_path / "out")
+    assert sorted(losses) == list(range(1, 7))
+    assert abs(losses[5] - losses[4]) < 1.0  # carried on, not restarted from scratch
