@@ -14,6 +14,26 @@ from dataclasses import dataclass, field
 COMPRESSION_METHODS = ("none", "dct", "dct-topk", "fp16", "bf16", "powersgd")
 
 
+PRESETS: dict[str, dict[str, object]] = {
+    "templar": {
+        "local_steps": 30,
+        "outer_lr": 1.0,
+        "sparseloco_beta": 0.95,
+        "sparseloco_topk": 64,
+        "sparseloco_chunk": 64,
+        "quant_bits": 2,
+        "sparseloco_quantizer": "statistical",
+        "sparseloco_aggregate": "senders",
+        "sparseloco_clip": "median",
+    },
+}
+"""--sparseloco-preset: field values a named preset gives where neither a flag nor the config
+file sets them. templar: Templar's production SparseLoCo, ``tplr-ai/templar``
+``hparams/hparams.json`` (inner_steps, outer_learning_rate, momentum_decay, topk_compression,
+target_chunk, quantization_bins 4 = 2 bits) and ``src/tplr/compress.py`` (statistical values,
+scatter-mean over senders, median norm clipping), as of 2025-09 (v2.1.3)."""
+
+
 def _opt(default: object, help: str, **extra: object) -> object:
     """A dataclass field whose help text becomes the flag's ``--help`` entry."""
     if isinstance(default, list):
@@ -152,6 +172,13 @@ class TrainConfig:
         "start and its outer update, 1 to --local-steps (Streaming DiLoCo's tau, Douillard et al. "
         "2025, arXiv:2501.18512); 0: a whole window.",
     )
+    eager_updates: bool = _opt(
+        False,
+        "--optimizer diloco/sparseloco with --overlap-exchange: eager updates (Kale et al. 2025, "
+        "arXiv:2502.12996): when a sync starts, each rank takes an outer step on its own estimate "
+        "of the mean (the last mean with its own part swapped for its new one) and trains the "
+        "delay's steps from there; the exact outer update replaces it when the exchange lands.",
+    )
     local_steps: int = _opt(
         0,
         "--optimizer diloco/sparseloco: optimizer steps between syncs (H); 0: the paper's, "
@@ -191,6 +218,34 @@ class TrainConfig:
         2,
         "--optimizer sparseloco: bits per value sent, 1 to 8, with one fp32 scale per chunk "
         "(paper: 2); 0 sends fp32 values.",
+    )
+    sparseloco_quantizer: str = _opt(
+        "chunk",
+        "--optimizer sparseloco: chunk: one fp32 scale per chunk, its largest magnitude, levels "
+        "evenly spaced; statistical: Templar's, per tensor 2^bits bins over 6 standard "
+        "deviations around the mean, each bin sent as the mean of its values.",
+        choices=["chunk", "statistical"],
+    )
+    sparseloco_aggregate: str = _opt(
+        "all",
+        "--optimizer sparseloco: all: the outer gradient is the mean of every rank's sent values "
+        "(a value not sent counts as 0); senders: per value, the mean over the ranks that sent it "
+        "(Templar).",
+        choices=["all", "senders"],
+    )
+    sparseloco_clip: str = _opt(
+        "none",
+        "--optimizer sparseloco: median: before the mean, each rank's message of a tensor is "
+        "scaled down to the median of the ranks' norms (Templar's outer step).",
+        choices=["none", "median"],
+    )
+    sparseloco_preset: str = _opt(
+        "none",
+        "--optimizer sparseloco: templar fills the SparseLoCo settings that neither a flag nor "
+        "the config file sets with Templar's production ones (tplr-ai/templar hparams.json, "
+        "2025-09): --local-steps 30, --outer-lr 1, --sparseloco-beta 0.95, k 64 of 64 x 64 "
+        "chunks, 2-bit statistical values, sender mean, median clipping.",
+        choices=["none", "templar"],
     )
     max_grad_norm: float = _opt(1.0, "Gradient clipping threshold (global L2 norm).")
     epochs: int = _opt(1, "Passes over the training data.")

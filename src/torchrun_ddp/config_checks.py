@@ -95,6 +95,23 @@ def _validate_demo(config: TrainConfig) -> None:
 
 def _validate_local_updates(config: TrainConfig) -> None:
     """Reject DiLoCo/SparseLoCo hyperparameters out of range, whatever --optimizer is."""
+    if config.sparseloco_preset != "none" and config.optimizer != "sparseloco":
+        raise UserError(
+            f"--sparseloco-preset {config.sparseloco_preset} sets SparseLoCo's settings; use it "
+            "with --optimizer sparseloco, or drop it"
+        )
+    if config.eager_updates and not (
+        config.overlap_exchange and config.optimizer in ("diloco", "sparseloco")
+    ):
+        raise UserError(
+            "--eager-updates changes an overlapped DiLoCo/SparseLoCo sync; use it with "
+            "--optimizer diloco or sparseloco and --overlap-exchange, or drop it"
+        )
+    if config.eager_updates and config.compression_scope != "global":
+        raise UserError(
+            "--eager-updates works with --compression-scope global (a node-aware sync's own "
+            "part is split over the node's ranks); use --compression-scope global"
+        )
     if config.sync_delay < 0:
         raise UserError(f"--sync-delay must be >= 0 (0: a whole window), got {config.sync_delay}")
     if config.local_steps < 0 or config.outer_lr < 0 or not 0.0 <= config.outer_momentum < 1.0:

@@ -23,7 +23,7 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from transformers import HfArgumentParser
 
-from torchrun_ddp.config import TrainConfig, field_names, flag_name
+from torchrun_ddp.config import PRESETS, TrainConfig, field_names, flag_name
 from torchrun_ddp.config_checks import validate
 from torchrun_ddp.errors import UserError
 
@@ -176,9 +176,11 @@ def parse_config(argv: list[str]) -> TrainConfig:
     parser = build_parser()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
+    pre.add_argument("--sparseloco-preset", "--sparseloco_preset", default=None)
     known, _ = pre.parse_known_args(argv)
-    if known.config:
-        parser.set_defaults(**load_toml(known.config))
+    values = load_toml(known.config) if known.config else {}
+    preset = known.sparseloco_preset or values.get("sparseloco_preset")
+    parser.set_defaults(**{**PRESETS.get(str(preset), {}), **values})  # a file beats a preset
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as exc:

@@ -112,6 +112,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
     if isinstance(trainer.optimizer, LocalUpdates):  # the outer state's tensors must match
         identity["outer_momentum"] = bool(trainer.optimizer.settings.outer_momentum)
         identity["sync_delay"] = trainer.optimizer.settings.sync_delay
+        identity["eager"] = trainer.optimizer.settings.eager
     if config.optimizer in ("demo", "sparseloco"):  # per-rank shares, an update in flight
         identity["exchange"] = [config.compression_scope, config.overlap_exchange]
     return identity
@@ -169,6 +170,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     saved = read_meta(path)
     saved.setdefault("exchange", ["global", False])  # checkpoints from before the option
     saved.setdefault("sync_delay", 0)
+    saved.setdefault("eager", False)
     check_compatible(saved, run_identity(trainer))
     same_layout = adapt_to_world_size(trainer, saved)
     in_files = bool(saved.get("zero1_in_rank_files"))

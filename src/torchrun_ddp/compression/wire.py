@@ -119,20 +119,32 @@ def packed_bytes(count: int, bits: int) -> int:
 SCALE_BYTES = 4
 """A SparseLoCo chunk's quantization scale travels as one fp32 value."""
 
+SPARSELOCO_QUANTIZERS = ("chunk", "statistical")
+"""How SparseLoCo's values are quantized: ``chunk``, one fp32 scale per chunk; ``statistical``
+(Templar's), per tensor a shift and a codebook of ``2^bits`` fp32 levels."""
 
-def sparseloco_chunk_payload(n_chunks: int, k: int, chunk_numel: int, quant_bits: int) -> int:
+
+def sparseloco_chunk_payload(
+    n_chunks: int, k: int, chunk_numel: int, quant_bits: int, quantizer: str = "chunk"
+) -> int:
     """Bytes of one parameter's SparseLoCo message: ``n_chunks * k`` positions packed at
     :func:`position_bits`, then the values: ``quant_bits``-bit codes packed plus one fp32 scale
-    per chunk, or fp32 values when ``quant_bits`` is 0 (no quantization)."""
+    per chunk (``quantizer`` chunk) or one fp32 shift and ``2^quant_bits`` fp32 codebook levels
+    per tensor (statistical), or fp32 values when ``quant_bits`` is 0 (no quantization)."""
     values = n_chunks * k
     positions = packed_bytes(values, position_bits(chunk_numel))
     if quant_bits == 0:
         return positions + 4 * values
-    return positions + packed_bytes(values, quant_bits) + SCALE_BYTES * n_chunks
+    extra = SCALE_BYTES * n_chunks if quantizer == "chunk" else 4 * (1 + 2**quant_bits)
+    return positions + packed_bytes(values, quant_bits) + extra
 
 
 def sparseloco_payload_bytes(
-    shapes: Iterable[tuple[int, ...]], topk: int, chunk: int, quant_bits: int
+    shapes: Iterable[tuple[int, ...]],
+    topk: int,
+    chunk: int,
+    quant_bits: int,
+    quantizer: str = "chunk",
 ) -> int:
     """Bytes one rank hands to SparseLoCo's all-gather per sync (its own part).
 
@@ -146,7 +158,7 @@ def sparseloco_payload_bytes(
     total = 0
     for shape in shapes:
         n_chunks, k, chunk_numel = tile_counts(tuple(shape), topk, chunk)
-        total += sparseloco_chunk_payload(n_chunks, k, chunk_numel, quant_bits)
+        total += sparseloco_chunk_payload(n_chunks, k, chunk_numel, quant_bits, quantizer)
     return total
 
 

@@ -51,7 +51,8 @@ class SyncedState:
 
     ``{"position": int, "synced": {"<i>": fp32 tensor}, "momentum": {"<i>": fp32 tensor}}``, keyed
     by the trained parameter's position (``Optimizer.state_dict``'s numbering); ``momentum`` is
-    empty without outer momentum. ``state_dict`` returns the live tensors, so DCP loads them in
+    empty without outer momentum; with eager updates ``"last_mean"`` too (fp32, the mean the
+    last outer step applied). ``state_dict`` returns the live tensors, so DCP loads them in
     place; ``load_state_dict`` copies where they are other tensors.
     """
 
@@ -66,11 +67,14 @@ class SyncedState:
         """The window position, the synced parameters and the outer momentum (after the outer
         step of a pending sync: :meth:`LocalUpdates.settle`, a collective when it waits)."""
         self.optimizer.settle()
-        return {
+        state = {
             "position": self.optimizer.position,
             "synced": _indexed(self.optimizer.synced),
             "momentum": _indexed(self._momentum()),
         }
+        if self.optimizer.last_mean:  # eager updates: the mean their estimate starts from
+            state["last_mean"] = _indexed(self.optimizer.last_mean)
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, object], /) -> None:
@@ -78,6 +82,8 @@ class SyncedState:
         self.optimizer.position = int(cast(int, state_dict["position"]))
         _copy_into(self.optimizer.synced, state_dict["synced"])
         _copy_into(self._momentum(), state_dict["momentum"])
+        if self.optimizer.last_mean:
+            _copy_into(self.optimizer.last_mean, state_dict["last_mean"])
 
 
 def _copy_into(targets: list[torch.Tensor], saved: object) -> None:
@@ -129,6 +135,7 @@ class RankState:
             "local": _indexed(trained) if optimizer.position or pending else {},
             "share": _share(optimizer),
             "sync_start": _indexed(pending.start) if pending else {},
+            "last_own": _indexed(optimizer.last_own),
         }
 
     @torch.no_grad()
@@ -144,6 +151,7 @@ class RankState:
             )
         self.load_inner(state_dict)
         _copy_into(self.optimizer.error, state_dict["error_feedback"])
+        _copy_into(self.optimizer.last_own, state_dict.get("last_own", {}))
         local = cast(Mapping[str, torch.Tensor], state_dict["local"])
         _copy_into(self.optimizer.trained, local or _indexed(self.optimizer.synced))
         self._load_pending(cast(Mapping[str, torch.Tensor], state_dict.get("sync_start") or {}))
@@ -182,6 +190,8 @@ class RankState:
             dropped.append("the SparseLoCo error feedback (reset to zero)")
             for error in optimizer.error:
                 error.zero_()
+        if optimizer.last_own:
+            dropped.append("this rank's last part of the mean (eager updates; reset to zero)")
         _copy_into(optimizer.trained, _indexed(optimizer.synced))
         return dropped
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,7 +75,12 @@ from torchrun_ddp.optim.exchange import (
     MessageExchange,
     assign_owners,
 )
-from torchrun_ddp.optim.sparseloco_codec import chunk_codec, decode_mean, encode_chunks
+from torchrun_ddp.optim.sparseloco_codec import (
+    MessageFormat,
+    chunk_codec,
+    decode_mean,
+    encode_chunks,
+)
 
 if TYPE_CHECKING:
     from torchrun_ddp.config import TrainConfig
@@ -90,6 +95,9 @@ PAPER_LOCAL_STEPS = {"diloco": 500, "sparseloco": 15}
 PAPER_OUTER_LR = {"diloco": 0.7, "sparseloco": 1.0}
 """Outer learning rate of each paper (DiLoCo: Nesterov SGD 0.7; SparseLoCo: plain SGD 1)."""
 MAX_QUANT_BITS = 8
+QUANTIZERS = ("chunk", "statistical")
+AGGREGATES = ("all", "senders")
+CLIPS = ("none", "median")
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,21 @@ class LocalUpdateSettings:
     sync_delay: int = 0
     """Inner steps between a sync's start and its outer update (0 to H); 0 waits for the sync
     in the step that starts it, >= 1 overlaps it with that many inner steps."""
+    quantizer: str = "chunk"
+    """SparseLoCo: ``chunk`` (an fp32 scale per chunk) or ``statistical`` (Templar's per-tensor
+    codebook); ``sparseloco_codec``."""
+    aggregate: str = "all"
+    """SparseLoCo: mean over ``all`` ranks, or per value over its ``senders`` (Templar)."""
+    clip: str = "none"
+    """SparseLoCo: ``median``: each rank's message scaled down to the median norm (Templar)."""
+    eager: bool = False
+    """With a sync delay: eager updates (Kale et al. 2025): the delay's inner steps start from
+    an estimate of the outer update instead of the rank's own parameters (module docstring)."""
+
+    @property
+    def message_format(self) -> MessageFormat:
+        """SparseLoCo's message format (``sparseloco_codec``)."""
+        return MessageFormat(self.quant_bits, self.quantizer, self.aggregate, self.clip)
 
 
 def validate_local_updates(settings: LocalUpdateSettings) -> None:
@@ -139,6 +162,18 @@ def validate_local_updates(settings: LocalUpdateSettings) -> None:
             f"unknown pseudo-gradient dtype {settings.pseudo_gradient_dtype!r}; use float32 or "
             "bfloat16"
         )
+    _validate_sparseloco(settings)
+    if settings.eager and not settings.sync_delay:
+        raise ValueError("eager updates need an overlapped sync (a sync delay of 1 or more)")
+    if not 0 <= settings.sync_delay <= settings.local_steps:
+        raise ValueError(
+            f"the sync delay (--sync-delay) must be 0 to the local steps ({settings.local_steps}), "
+            f"got {settings.sync_delay}; lower it or raise --local-steps"
+        )
+
+
+def _validate_sparseloco(settings: LocalUpdateSettings) -> None:
+    """SparseLoCo's fields (checked whatever the method, as the flags are)."""
     if settings.topk < 1 or settings.chunk < 2 or not 0.0 <= settings.beta < 1.0:
         raise ValueError(
             f"SparseLoCo needs topk >= 1, chunk >= 2 and beta in [0, 1), got {settings.topk}, "
@@ -146,10 +181,11 @@ def validate_local_updates(settings: LocalUpdateSettings) -> None:
         )
     if not 0 <= settings.quant_bits <= MAX_QUANT_BITS:
         raise ValueError(f"quant bits must be 0 (none) to 8, got {settings.quant_bits}")
-    if not 0 <= settings.sync_delay <= settings.local_steps:
+    options = (settings.quantizer, settings.aggregate, settings.clip)
+    if options not in {(q, a, c) for q in QUANTIZERS for a in AGGREGATES for c in CLIPS}:
         raise ValueError(
-            f"the sync delay (--sync-delay) must be 0 to the local steps ({settings.local_steps}), "
-            f"got {settings.sync_delay}; lower it or raise --local-steps"
+            f"unknown SparseLoCo quantizer, aggregate or clip {options}; use {QUANTIZERS}, "
+            f"{AGGREGATES} and {CLIPS}"
         )
 
 
@@ -170,6 +206,10 @@ def local_update_settings(config: TrainConfig) -> LocalUpdateSettings:
         beta=config.sparseloco_beta,
         quant_bits=config.quant_bits,
         sync_delay=(config.sync_delay or local_steps) if config.overlap_exchange else 0,
+        quantizer=config.sparseloco_quantizer,
+        aggregate=config.sparseloco_aggregate,
+        clip=config.sparseloco_clip,
+        eager=config.eager_updates,
     )
     try:
         validate_local_updates(settings)
@@ -182,6 +222,7 @@ def describe(settings: LocalUpdateSettings) -> str:
     """One line for logs and tables, e.g. ``sparseloco H=15 k=64/4096 2-bit beta 0.95 lr 1``
     (``overlapped tau=15`` follows with a sync delay)."""
     tail = f" overlapped tau={settings.sync_delay}" if settings.sync_delay else ""
+    tail += " eager" if settings.eager else ""
     return _describe(settings) + tail
 
 
@@ -192,9 +233,17 @@ def _describe(settings: LocalUpdateSettings) -> str:
         dtype = "bf16" if settings.pseudo_gradient_dtype == "bfloat16" else "fp32"
         return f"{head} {dtype} outer {momentum} lr {settings.outer_lr:g}"
     values = f"{settings.quant_bits}-bit" if settings.quant_bits else "fp32"
+    if settings.quant_bits and settings.quantizer != "chunk":
+        values += f" {settings.quantizer}"
     size = settings.chunk * settings.chunk
+    extra = "".join(
+        f" {name}"
+        for name, default in ((settings.aggregate, "all"), (settings.clip, "none"))
+        if name != default
+    )
     return (
-        f"{head} k={settings.topk}/{size} {values} beta {settings.beta:g} lr {settings.outer_lr:g}"
+        f"{head} k={settings.topk}/{size} {values} beta {settings.beta:g} lr "
+        f"{settings.outer_lr:g}{extra}"
     )
 
 
@@ -216,6 +265,9 @@ class PendingSync:
     wire: torch.Tensor | None = None
     flight: InFlight | None = None
     stepped: bool = False
+    own: list[torch.Tensor] = field(default_factory=list)
+    """Eager updates, while the sync starts: this rank's part of the mean (fp32, as it enters
+    the sum: the pseudo-gradient on the wire, or the values SparseLoCo sent)."""
 
 
 class LocalUpdates(Optimizer):
@@ -259,6 +311,8 @@ class LocalUpdates(Optimizer):
         node_groups: NodeGroups | None = None,
     ) -> None:
         validate_local_updates(settings)
+        if settings.eager and node_groups is not None:
+            raise ValueError("eager updates need a flat sync (no node groups)")
         super().__init__(inner.param_groups, inner.defaults)
         self.inner = inner
         self.settings = settings
@@ -279,6 +333,11 @@ class LocalUpdates(Optimizer):
                 self.outer.state[copy]["momentum_buffer"] = torch.zeros_like(copy)
         sparse = settings.method == "sparseloco"
         self.error = [torch.zeros_like(copy) for copy in self.synced] if sparse else []
+        eager = settings.eager
+        self.last_mean = [torch.zeros_like(copy) for copy in self.synced] if eager else []
+        """Eager updates: the mean the last outer step applied (the same on every rank)."""
+        self.last_own = [torch.zeros_like(copy) for copy in self.synced] if eager else []
+        """Eager updates: this rank's part of that mean, as it entered it (before dividing)."""
         self.codecs = (
             [chunk_codec(tuple(p.shape), settings.chunk, settings.topk) for p in self.trained]
             if sparse
@@ -298,9 +357,10 @@ class LocalUpdates(Optimizer):
         self.exchange = MessageExchange(lengths, self.process_group, node_groups, self.counter)
 
     def _message_bytes(self, index: int) -> int:
-        codec = self.codecs[index]
-        bits = self.settings.quant_bits
-        return sparseloco_chunk_payload(codec.n_tiles, codec.k, codec.tile_numel, bits)
+        codec, settings = self.codecs[index], self.settings
+        return sparseloco_chunk_payload(
+            codec.n_tiles, codec.k, codec.tile_numel, settings.quant_bits, settings.quantizer
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -349,7 +409,9 @@ class LocalUpdates(Optimizer):
         else:
             self._finish_sparseloco(pending)
         self.outer.step()
-        for copy in self.synced:
+        for index, copy in enumerate(self.synced):
+            if self.last_mean:
+                self.last_mean[index].copy_(copy.grad)
             copy.grad = None
         pending.stepped = True
         self.syncs_applied += 1
@@ -368,11 +430,36 @@ class LocalUpdates(Optimizer):
             self.counter(collective, nbytes, self.process_group)
 
     def _start_sync(self) -> PendingSync:
-        """The pseudo-gradient and the start of its exchange (not waited for)."""
+        """The pseudo-gradient and the start of its exchange (not waited for); with eager
+        updates, the local parameters then move to this rank's estimate of the outer update,
+        and the rebase measures the delay's progress from there."""
         start = [p.detach().clone() for p in self.trained] if self.settings.sync_delay else []
         if self.settings.method == "diloco":
-            return self._start_diloco(start)
-        return self._start_sparseloco(start)
+            pending = self._start_diloco(start)
+        else:
+            pending = self._start_sparseloco(start)
+        if self.settings.eager:
+            self._eager_step(pending.own)
+            for param, copy in zip(self.trained, pending.start, strict=True):
+                copy.copy_(param)
+        pending.own = []
+        return pending
+
+    def _eager_step(self, own: list[torch.Tensor]) -> None:
+        """Kale et al. 2025 (arXiv:2502.12996): the outer step on ``last_mean + (own -
+        last_own) / W`` (the last mean with this rank's old part swapped for its new one),
+        taken on a copy of the synced parameters and outer momentum and written into the local
+        parameters; ``own`` becomes ``last_own``. SparseLoCo's sender mean and median
+        clipping are left out of the estimate (it divides by W)."""
+        world = dist.get_world_size(self.process_group)
+        momentum, lr = self.settings.outer_momentum, self.settings.outer_lr
+        for index, (param, copy) in enumerate(zip(self.trained, self.synced, strict=True)):
+            estimate = self.last_mean[index] + (own[index] - self.last_own[index]) / world
+            if momentum:  # Nesterov, as torch.optim.SGD: buf' = m buf + g, step = g + m buf'
+                buffer = self.outer.state[copy]["momentum_buffer"]
+                estimate = estimate + momentum * (momentum * buffer + estimate)
+            param.copy_(copy - lr * estimate)
+            self.last_own[index].copy_(own[index])
 
     def _start_diloco(self, start: list[torch.Tensor]) -> PendingSync:
         """The pseudo-gradient ``synced - local`` in one fp32 buffer (``synced``'s gradients are
@@ -387,9 +474,18 @@ class LocalUpdates(Optimizer):
             offset += copy.numel()
         dtype = PSEUDO_GRADIENT_DTYPES[self.settings.pseudo_gradient_dtype]
         wire = flat if dtype == torch.float32 else flat.to(dtype)
+        own = self._parts(wire.float()) if self.settings.eager else []
         self._count("all_reduce", wire.numel() * wire.element_size())
         work = dist.all_reduce(wire, group=self.process_group, async_op=True)
-        return PendingSync(start, work=work, flat=flat, wire=wire)
+        return PendingSync(start, work=work, flat=flat, wire=wire, own=own)
+
+    def _parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (fp32 [N]) cut into the trained parameters' shapes (copies)."""
+        sizes = [copy.numel() for copy in self.synced]
+        pieces = flat.split(sizes)
+        return [
+            piece.view_as(copy).clone() for piece, copy in zip(pieces, self.synced, strict=True)
+        ]
 
     def _finish_diloco(self, pending: PendingSync) -> None:
         """Wait for the all-reduce; ``flat`` (``synced``'s gradients) becomes the mean."""
@@ -403,10 +499,12 @@ class LocalUpdates(Optimizer):
         """Error feedback, top-k per chunk and quantization of this rank's tensors (all of them,
         or its share when node-aware), and the all-gather of the message, started."""
         mine = [i for i, owner in enumerate(self.owners) if owner == self.local_rank]
-        messages = [self._compress(index) for index in mine]
+        compressed = [self._compress(index) for index in mine]
+        messages = [message for message, _ in compressed]
         device = self.synced[0].device
         payload = torch.cat(messages) if messages else torch.zeros(0, dtype=torch.uint8)
-        return PendingSync(start, flight=self.exchange.start(payload.to(device), []))
+        own = [sent for _, sent in compressed] if self.settings.eager else []
+        return PendingSync(start, flight=self.exchange.start(payload.to(device), []), own=own)
 
     def _finish_sparseloco(self, pending: PendingSync) -> None:
         """Wait for the all-gather(s); the mean of every sender's decoded values becomes
@@ -419,19 +517,21 @@ class LocalUpdates(Optimizer):
             part = rows[owner][:, offsets[owner] : offsets[owner] + size]
             offsets[owner] += size
             self.synced[index].grad = decode_mean(
-                part, self.codecs[index], self.settings.quant_bits
+                part, self.codecs[index], self.settings.message_format
             )
 
-    def _compress(self, index: int) -> torch.Tensor:
+    def _compress(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``e <- beta e + (synced - local)``; per chunk the top-k values of ``e``, quantized;
-        ``e`` minus what was sent. The message: uint8 [positions | codes | scales] (or
-        [positions | fp32 values] without quantization)."""
+        ``e`` minus what was sent. Returns the message, uint8 [positions | codes | scales] (or
+        [positions | fp32 values] without quantization), and what it sends (fp32, the
+        parameter's shape)."""
         settings, codec = self.settings, self.codecs[index]
         error = self.error[index]
         error.mul_(settings.beta).add_(self.synced[index] - self.trained[index].float())
-        message, sent = encode_chunks(codec.split(error), codec, settings.quant_bits)
-        error.sub_(codec.join(sent))
-        return message
+        message, sent = encode_chunks(codec.split(error), codec, settings.message_format)
+        joined = codec.join(sent)
+        error.sub_(joined)
+        return message, joined
 
 
 def build_local_updates(

@@ -246,7 +246,7 @@ def optimizer_rows(
     else:
         collective = "all_gather"
         payload = sparseloco_payload_bytes(
-            shapes, settings.topk, settings.chunk, settings.quant_bits
+            shapes, settings.topk, settings.chunk, settings.quant_bits, settings.quantizer
         )
     node_aware = config.compression_scope == "inter-node" and settings.method == "sparseloco"
     numel = sum(map(math.prod, shapes)) if node_aware else 0

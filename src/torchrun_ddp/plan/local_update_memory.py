@@ -46,7 +46,7 @@ def memory_rows(
     With a sync delay (``--overlap-exchange``) the rank also keeps its parameters at the sync's
     start (``param_bytes`` N, the parameter dtype), and DiLoCo's pseudo-gradient and wire copy or
     SparseLoCo's own and gathered messages stay alive while the exchange runs, so they count as
-    kept."""
+    kept; eager updates keep the last mean and the rank's last part (8 N)."""
     sizes = [math.prod(shape) for shape in shapes]
     numel = sum(sizes)
     delayed = settings.sync_delay > 0
@@ -54,6 +54,9 @@ def memory_rows(
     if delayed:
         start = MemoryRow("parameters at the sync's start (overlap)", param_bytes * numel, True)
         rows.append(start)
+    if settings.eager:
+        name = "eager updates: the last mean and this rank's last part (fp32)"
+        rows.append(MemoryRow(name, 8 * numel, True))
     if settings.method == "diloco":
         if settings.outer_momentum:
             rows.append(MemoryRow("outer Nesterov momentum (fp32)", 4 * numel, True))
@@ -62,7 +65,9 @@ def memory_rows(
         rows.append(MemoryRow(name, 4 * numel + (2 * numel if bf16 else 0), delayed))
         return rows
     rows.append(MemoryRow("error feedback (fp32, per rank)", 4 * numel, True))
-    payload = sparseloco_payload_bytes(shapes, settings.topk, settings.chunk, settings.quant_bits)
+    payload = sparseloco_payload_bytes(
+        shapes, settings.topk, settings.chunk, settings.quant_bits, settings.quantizer
+    )
     work = SPARSELOCO_WORK_COPIES * 4 * max(sizes, default=0)
     temporary = 4 * numel + (1 + world_size) * payload + work
     rows.append(MemoryRow("sync: mean pseudo-gradient, messages, chunk work", temporary, False))
