@@ -6,7 +6,9 @@ process group (torchrun agent and its workers) is killed, so nothing is left run
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import signal
 import socket
@@ -73,6 +75,23 @@ def _overlapped(variant: Variant) -> Variant:
     label = f"{variant.label}, overlapped"
     name = f"{variant.name}-overlap"
     return Variant(name, label, flags, variant.collective, variant.scope, variant.period)
+
+
+def _eager(variant: Variant) -> Variant:
+    """DiLoCo or SparseLoCo ``variant`` overlapped with eager updates (``--overlap-exchange
+    --eager-updates``; name suffix ``-eager``)."""
+    flags = (*variant.flags, "--overlap-exchange", "--eager-updates")
+    label = f"{variant.label}, overlapped, eager"
+    return Variant(f"{variant.name}-eager", label, flags, variant.collective, variant.scope,
+                   variant.period)  # fmt: skip
+
+
+def _templar() -> Variant:
+    """SparseLoCo as Templar runs it (``--sparseloco-preset templar``: H 30, k 64 of 64 x 64,
+    2-bit statistical values, error feedback 0.95, sender mean, median clipping, outer lr 1)."""
+    flags = ("--optimizer", "sparseloco", "--sparseloco-preset", "templar")
+    label = "SparseLoCo, Templar's settings (H 30, k 64/4096, 2-bit statistical)"
+    return Variant("sparseloco-templar", label, flags, "all_gather", period=30)
 
 
 def _topk(k: int, block: int, values: str = "float32") -> Variant:
@@ -172,6 +191,11 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _overlapped(_local("sparseloco", 25)),
         _overlapped(_node_aware(_local("sparseloco", 25))),
         _local("sparseloco", 125, topk=256),
+        _eager(_local("diloco", 50)),
+        _eager(_local("sparseloco", 25)),
+        _templar(),
+        _overlapped(_templar()),
+        _eager(_templar()),
     ]
     return {variant.name: variant for variant in variants}
 
@@ -186,10 +210,32 @@ def pick_variants(names: str, block: int) -> list[Variant]:
     return [known[name] for name in picked]
 
 
-def data_args(data_dir: Path) -> list[str]:
-    """``train.py`` flags for the tokenizer, training and held-out files of the C4 sample."""
+def tokenizer_path(data_dir: Path, model: str = "") -> Path:
+    """The tokenizer beside ``model``'s config.json where there is one (``configs/llama-8m``),
+    else the sample's 32,000-token LLaMA-style one."""
+    beside = (REPO / model).parent if model else None
+    if beside is not None and (beside / "tokenizer.json").is_file():
+        return beside
+    return data_dir / "tokenizer" / "mistral-7b-v0.1"
+
+
+def steps_to(curve: dict[int, float], target: float) -> float:
+    """First step at which ``curve`` (step -> held-out loss) reaches ``target``, linear between
+    evaluations; inf if it never does."""
+    points = sorted(curve.items())
+    if points and points[0][1] <= target:
+        return float(points[0][0])
+    for (step0, loss0), (step1, loss1) in itertools.pairwise(points):
+        if loss1 <= target:  # loss0 > target: checked one pair earlier
+            return step0 + (loss0 - target) / (loss0 - loss1) * (step1 - step0)
+    return math.inf
+
+
+def data_args(data_dir: Path, model: str = "") -> list[str]:
+    """``train.py`` flags for the tokenizer (``tokenizer_path``), training and held-out files
+    of the C4 sample."""
     return [
-        "--tokenizer", str(data_dir / "tokenizer" / "mistral-7b-v0.1"),
+        "--tokenizer", str(tokenizer_path(data_dir, model)),
         "--data-files", str(data_dir / "c4" / "*train*.json.gz"),
         "--eval-files", str(data_dir / "c4" / "*validation*.json.gz"),
     ]  # fmt: skip

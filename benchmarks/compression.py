@@ -84,7 +84,9 @@ from common import (
     read_metrics,
     ring_ratio,
     start,
+    steps_to,
     summarise,
+    tokenizer_path,
     train_env,
     wait_all,
     wire_at,
@@ -184,7 +186,7 @@ def train_args(
 ) -> list[str]:
     """``train.py`` arguments for one run of ``variant`` at peak learning rate ``lr``."""
     cycle = max(1, args.steps - args.warmup_steps)
-    flags = ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir)]
+    flags = ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir, args.model)]
     flags += ["--model", args.model] if args.model else []
     flags += ["--output-dir", str(output_dir), "--no-resume", "--max-steps", str(args.steps)]
     flags += ["--overwrite-output-dir"]  # reruns replace the old run
@@ -371,6 +373,9 @@ class Point:
     """Dense fp32 ring all-reduce bytes / the method's, by world size."""
     step_time: float
     change: tuple[float, float]
+    to_target: float = math.nan
+    """Steps until the mean held-out curve reaches dense AdamW's final held-out loss (linear
+    between evaluations; inf: never in the run)."""
 
     @property
     def ratio8(self) -> float:
@@ -383,6 +388,7 @@ def frontier(
 ) -> list[Point]:
     """Each chosen setting (one per method) with its bytes, step time and paired change."""
     tokens = args.batch_size * args.seq_length  # per rank per step (no accumulation)
+    target = statistics.fmean(reference.seed_losses().values()) if reference else math.nan
     points = []
     for setting in chosen:
         last = setting.all_runs()[-1]
@@ -395,19 +401,31 @@ def frontier(
                 ratio={w: ring_ratio(last, variant, args.nproc, w) for w in FRONTIER_WORLDS},
                 step_time=median_after(times, 0),
                 change=mean_se(paired_change(setting, reference)),
+                to_target=steps_to(mean_curve(setting), target),
             )
         )
     return points
 
 
+def mean_curve(setting: Setting) -> dict[int, float]:
+    """Held-out loss by step, mean over the setting's runs."""
+    by_step: dict[int, list[float]] = {}
+    for run in setting.all_runs():
+        for step, loss in run.eval_losses:
+            by_step.setdefault(step, []).append(loss)
+    return {step: statistics.fmean(losses) for step, losses in by_step.items()}
+
+
 def _bytes_cell(value: float) -> str:
     if math.isnan(value):
         return "-"
+    if math.isinf(value):
+        return "not reached"
     return f"{value:.3g} B" if value < 1000 else human_bytes(value)
 
 
-def frontier_table(points: list[Point]) -> str:
-    """The frontier as a Markdown table."""
+def frontier_table(points: list[Point], tokens: int) -> str:
+    """The frontier as a Markdown table (``tokens``: trained per rank per step)."""
     rows = []
     for point in points:
         losses = list(point.setting.seed_losses().values())
@@ -417,12 +435,22 @@ def frontier_table(points: list[Point]) -> str:
             row += [_bytes_cell(point.per_token[world])]
             row += ["-" if math.isnan(ratio) else f"{ratio:.3g}x"]
         row += [f"{point.step_time:.2f}", pm(*mean_se(losses), 4), pm(*point.change, 2, "%")]
+        row += [_steps_cell(point.to_target)]
+        row += [_bytes_cell(point.per_token[w] * tokens * point.to_target) for w in FRONTIER_WORLDS]
         rows.append(row)
     header = ["method (best lr)", "peak lr"]
     for world in FRONTIER_WORLDS:
         header += [f"wire bytes/token W={world}", f"ratio W={world}"]
     header += ["step s (median)", "eval loss (mean +- SE)", "vs dense AdamW, paired"]
+    header += ["steps to dense's loss"]
+    header += [f"bytes a rank sends until then, W={world}" for world in FRONTIER_WORLDS]
     return markdown_table(header, rows)
+
+
+def _steps_cell(steps: float) -> str:
+    if math.isnan(steps):
+        return "-"
+    return "not reached" if math.isinf(steps) else f"{steps:,.0f}"
 
 
 def curve_table(points: list[Point]) -> str:
@@ -493,10 +521,10 @@ def local_target(point: Point) -> str:
     return label + verdict(point.change, 1.0)
 
 
-def training_tokens(data_dir: Path) -> int:
+def training_tokens(data_dir: Path, model: str = "") -> int:
     """Tokens in one epoch of the training files, counted as the trainer reads them (BOS, the
     document, EOS: ``training_data.document_tokens``)."""
-    tokenizer = load_tokenizer(str(data_dir / "tokenizer" / "mistral-7b-v0.1"))
+    tokenizer = load_tokenizer(str(tokenizer_path(data_dir, model)))
     total = 0
     for file in sorted((data_dir / "c4").glob("*train*.json.gz")):
         with gzip.open(file, "rt", encoding="utf-8") as handle:
@@ -508,7 +536,7 @@ def training_tokens(data_dir: Path) -> int:
 def epochs_line(args: argparse.Namespace) -> str:
     """How much of the training data a run saw."""
     trained = args.steps * args.nproc * args.batch_size * args.seq_length
-    epoch = training_tokens(args.data_dir)
+    epoch = training_tokens(args.data_dir, args.model)
     return (
         f"Each run trains {trained:,} tokens ({args.steps} steps x {args.nproc} ranks x "
         f"{args.batch_size} x {args.seq_length}): {trained / epoch:.2f} epochs of the training "
@@ -627,7 +655,10 @@ def report(args: argparse.Namespace, settings: list[Setting]) -> tuple[str, list
     points = frontier(args, chosen, reference)
     text = f"{title}\n\n" + grid_table(grid, dense_reference(grid))
     text += "\n\nFrontier (each method at its best learning rate):\n\n"
-    text += frontier_table(points) + "\n\n" + footnote(args) + "\n" + epochs_line(args) + "\n"
+    tokens = args.batch_size * args.seq_length
+    text += (
+        frontier_table(points, tokens) + "\n\n" + footnote(args) + "\n" + epochs_line(args) + "\n"
+    )
     curves = curve_table(points)
     if curves:
         text += "\nHeld-out loss by step (mean over seeds), each method at its best lr:\n\n"

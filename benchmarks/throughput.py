@@ -143,7 +143,11 @@ def run_setting(args: argparse.Namespace, setting: Setting, run_dir: Path) -> li
     command += [f"--nproc_per_node={setting.processes}", "--nnodes=1", "--rdzv_backend=c10d"]
     script = REPO / ("benchmarks/minimal_ddp.py" if setting.minimal else "train.py")
     command += [f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(script)]
-    command += ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir)]
+    command += [
+        "--config",
+        str(REPO / "configs" / "tiny.toml"),
+        *data_args(args.data_dir, args.model),
+    ]
     command += ["--model", str(args.model), "--learning-rate", "1e-3"]
     command += ["--device", "cuda", "--backend", "nccl"] if args.device == "cuda" else []
     command += ["--output-dir", str(run_dir), "--no-resume", "--checkpoint-every", "0"]

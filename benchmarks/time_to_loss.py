@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import itertools
 import json
 import math
 import signal
@@ -81,6 +80,7 @@ from common import (
     pick_variants,
     read_metrics,
     start,
+    steps_to,
     summarise,
     train_env,
     wait_all,
@@ -198,21 +198,9 @@ def load_curves(args: argparse.Namespace, variants: list[Variant]) -> Curves:
     return curves
 
 
-def steps_to(curve: Curve, target: float) -> float:
-    """First step at which ``curve`` reaches ``target``, linear between evaluations; inf if it
-    never does."""
-    points = sorted(curve.items())
-    if points and points[0][1] <= target:
-        return float(points[0][0])
-    for (step0, loss0), (step1, loss1) in itertools.pairwise(points):
-        if loss1 <= target:  # loss0 > target: checked one pair earlier
-            return step0 + (loss0 - target) / (loss0 - loss1) * (step1 - step0)
-    return math.inf
-
-
 def timing_args(args: argparse.Namespace, variant: Variant, output: Path, steps: int) -> list[str]:
     """``train.py`` arguments of a run on the limited link (no evaluation unless end to end)."""
-    flags = ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir)]
+    flags = ["--config", str(REPO / "configs" / "tiny.toml"), *data_args(args.data_dir, args.model)]
     flags += ["--model", str(REPO / args.model), "--output-dir", str(output), "--no-resume"]
     flags += ["--overwrite-output-dir", "--threads", "1", "--max-steps", str(steps)]
     flags += ["--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size)]
