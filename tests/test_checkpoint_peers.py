@@ -113,14 +113,16 @@ def test_detection_and_chunked_copies_on_four_ranks(tmp_path: Path) -> None:
     assert errors.pop().startswith("copying checkpoint files between ranks failed: ")
 
 
-def _step(root: Path, step: int, ranks: list[int], world: int = 4, run: str = "run-a") -> None:
+def _step(
+    root: Path, step: int, ranks: list[int], world: int = 4, run: str = "run-a", segment: int = 0
+) -> None:
     """A complete step folder as a domain writes it: DCP shard, shared.json, meta.json and the
     own files of ``ranks``."""
     folder = root / f"step-{step}"
     (folder / "dcp").mkdir(parents=True)
     (folder / "dcp" / "shard-1.safetensors").write_bytes(b"s" * 10)
     (folder / "shared.json").write_text("{}")
-    meta = {"step": step, "run_id": run, "world_size": world, "data_since": 0}
+    meta = {"step": step, "run_id": run, "world_size": world, "data_since": 0, "segment": segment}
     (folder / "meta.json").write_text(json.dumps(meta))
     for rank in ranks:
         (folder / f"rank-{rank}.json").write_text("{}")
@@ -213,3 +215,17 @@ def test_folders_of_another_run_a_fresh_start_and_resume_from_are_decided_in_one
     assert chosen["plan"]["step"] == 4 and chosen["source"] == "resume_from"
     with pytest.raises(UserError, match=r"is not a complete checkpoint on any node"):
         _plan([node0, node1], resume_from=str(tmp_path / "nowhere"))
+
+
+def test_a_stale_copy_of_a_step_from_an_abandoned_timeline_is_replaced_not_mixed(
+    tmp_path: Path,
+) -> None:
+    """Node 1 kept a step 6 saved before the run went back to step 4 and trained again (segment
+    0); node 0 holds the new step 6 (segment 1): node 1 gets the whole new step."""
+    node0, node1 = tmp_path / "n0", tmp_path / "n1"
+    _step(node0, 6, [0, 1, 2, 3], segment=1)
+    _step(node1, 6, [0, 1, 2, 3], segment=0)
+    decision = _plan([node0, node1])
+    assert decision["plan"]["step"] == 6 and decision["holders"] == [0]
+    [(source, target, files)] = decision["streams"]
+    assert (source, target) == (0, 2) and len(files) == 3 + 8  # replicated files and all ranks

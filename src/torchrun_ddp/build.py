@@ -437,6 +437,9 @@ class Trainer:
     resume)."""
     storage: StorageLayout | None = None
     """Which ranks share a checkpoint folder (None: every rank one folder)."""
+    segment: int = 0
+    """How many times the run has been resumed (saved in checkpoints: a step saved again on a
+    new timeline, after a resume from an older step, outranks a stale copy of it)."""
     data_since: int | None = 0
     """The step since which the world size (and so each rank's share of the document order) has
     not changed; 0 lets a lost rank's data position be replayed from the start (None: unknown,

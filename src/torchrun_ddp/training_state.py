@@ -129,6 +129,7 @@ def save(trainer: Trainer) -> Path:
     meta["run_id"] = trainer.run_id
     meta["tokens_seen"] = trainer.tokens_seen
     meta["data_since"] = trainer.data_since
+    meta["segment"] = trainer.segment
     meta["zero1_in_rank_files"] = in_files and trainer.config.zero1
     config = trainer.config
     with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
@@ -181,6 +182,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     trainer.step = int(saved["step"])
     trainer.tokens_seen = int(saved["tokens_seen"])
     trainer.data_since = saved.get("data_since") if same_layout else trainer.step
+    trainer.segment = int(saved.get("segment") or 0) + 1
     if int(saved["world_size"]) != trainer.env.world_size:
         resume_resharded(trainer, path, saved, plan.lost)
     elif per_rank is None:

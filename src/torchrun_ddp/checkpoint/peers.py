@@ -57,8 +57,10 @@ Rebuild = Callable[[Mapping[str, object]], str]
 """``meta of the step -> ""`` when the caller can rebuild a rank's lost own state of that
 checkpoint, else why not (one clause)."""
 
-META_KEYS = ("step", "run_id", "world_size", "data_since")
-"""The meta.json keys an inventory carries (the rest stays on disk)."""
+META_KEYS = ("step", "run_id", "world_size", "data_since", "segment")
+"""The meta.json keys an inventory carries (the rest stays on disk). ``segment`` counts the
+resumes of the run before the save: a step saved again after a resume from an older one (a new
+timeline) has a higher segment, and a folder's copy with a lower one is stale."""
 _RANK_FILE = re.compile(r"rank-(\d+)\.(json|safetensors)")
 
 
@@ -121,7 +123,7 @@ def plan_across(
     candidates = _candidates(inventories, key, existing, resume_from)
     if not candidates:
         return {"plan": {"run_id": existing or new_run_id()}, "delete": False, "streams": []}
-    return _choose(candidates, inventories, layout, key, existing, rebuild)
+    return _choose(candidates, layout, key, existing, rebuild)
 
 
 def _fresh(inventories: Sequence[Inventory], existing: str | None, overwrite: bool) -> dict:
@@ -156,12 +158,19 @@ def _candidates(
             f"--resume-from {resume_from} is not a complete checkpoint on any node; pass a "
             "step-N folder that some node holds"
         )
-    return dict(sorted(found.items(), reverse=True))
+    return {step: _newest(found[step]) for step in sorted(found, reverse=True)}
+
+
+def _newest(holders: dict[int, Mapping[str, object]]) -> dict[int, Mapping[str, object]]:
+    """The holders of a step whose copy has the highest ``segment`` (the newest timeline); a
+    folder with an older copy counts as lacking the step (it gets the new one)."""
+    segment = {domain: int(info["meta"].get("segment") or 0) for domain, info in holders.items()}
+    newest = max(segment.values())
+    return {domain: info for domain, info in holders.items() if segment[domain] == newest}
 
 
 def _choose(
     candidates: Mapping[int, Mapping[int, Mapping[str, object]]],
-    inventories: Sequence[Inventory],
     layout: StorageLayout,
     key: str,
     existing: str | None,
@@ -171,19 +180,19 @@ def _choose(
     state can be rebuilt; the copies it takes and a one-line note."""
     reasons, fallback = [], None
     for step, holders in candidates.items():
-        lost, streams = _serve(holders, inventories, layout, key)
+        lost, streams = _serve(holders, layout, key)
         meta = next(iter(holders.values()))["meta"]
         if not lost:
-            return _decision(step, existing, [], streams, key, reasons)
+            return _decision(step, existing, [], streams, key, reasons, sorted(holders))
         why = rebuild(meta)
         reasons.append(f"step {step}: the own state of {_ranks(lost)} is in no folder")
         if not why and fallback is None:
-            fallback = (step, lost, streams)
+            fallback = (step, lost, streams, sorted(holders))
         elif why:
             reasons[-1] += f" and {why}"
     if fallback is not None:
-        step, lost, streams = fallback
-        return _decision(step, existing, lost, streams, key, reasons)
+        step, lost, streams, held = fallback
+        return _decision(step, existing, lost, streams, key, reasons, held)
     raise UserError(f"no checkpoint can be resumed: {'; '.join(reasons)}; {_MORE_COPIES}")
 
 
@@ -205,6 +214,7 @@ def _decision(
     streams: list[list[object]],
     key: str,
     reasons: list[str],
+    holders: list[int],
 ) -> dict[str, object]:
     note = f"resuming step {step} from the nodes' own folders"
     if reasons:
@@ -212,12 +222,12 @@ def _decision(
     if lost:
         note += f"; the own state of {_ranks(lost)} is rebuilt"
     plan = {"run_id": existing or new_run_id(), "step": step, "lost": lost}
-    return {"plan": plan, "delete": False, "streams": streams, "source": key, "note": note}
+    decision = {"plan": plan, "delete": False, "streams": streams, "source": key, "note": note}
+    return {**decision, "holders": holders}
 
 
 def _serve(
     holders: Mapping[int, Mapping[str, object]],
-    inventories: Sequence[Inventory],
     layout: StorageLayout,
     key: str,
 ) -> tuple[list[int], list[list[object]]]:
@@ -354,7 +364,8 @@ def settle(
     fetched = root / f"step-{step}.tmp"
     moved = exchange(streams, source, fetched, CHUNK_BYTES)
     if leader and fetched.is_dir():
-        _place(fetched, root / f"step-{step}", int(step))
+        whole = layout.domain not in decision.get("holders", [])
+        _place(fetched, root / f"step-{step}", int(step), whole)
     barrier()
     _log_moves(moved, layout, int(step))
     local = source if source.is_dir() and (source / MARKER).is_file() else root / f"step-{step}"
@@ -377,10 +388,11 @@ def _set_aside(root: Path, step: int) -> None:
         log.warning("set aside %s as %s: resuming the older step %d", path, stale.name, step)
 
 
-def _place(fetched: Path, final: Path, step: int) -> None:
-    """Publish a fetched step (the folder lacked it), or move fetched per-rank files into the
-    complete step this folder holds (each file renamed into place, atomically)."""
-    if not (final / MARKER).is_file():
+def _place(fetched: Path, final: Path, step: int, whole: bool) -> None:
+    """Publish a ``whole`` fetched step (the folder lacked it, or held a stale copy, which is
+    replaced), or move fetched per-rank files into the step this folder holds (each file
+    renamed into place, atomically)."""
+    if whole or not (final / MARKER).is_file():
         publish(fetched, final, step)
         return
     for file in sorted(fetched.rglob("*")):
