@@ -167,12 +167,14 @@ def warn_long_warmup(config: TrainConfig, env: DistEnv) -> None:
 
 def check_paths(config: TrainConfig) -> None:
     """Raise UserError for an output or checkpoint folder that is a file or cannot be written,
-    or a --resume-from that is not a complete checkpoint; reads only (nothing is created), so
-    it runs before the process group."""
+    or a --resume-from that is not a complete checkpoint (unless it is missing here and folders
+    may be per node: the start agreement then finds which nodes hold it); reads only (nothing
+    is created), so it runs before the process group."""
     check_writable_folder(Path(config.output_dir), "--output-dir")
     check_writable_folder(checkpoint_root(config), "--checkpoint-dir")
-    if config.resume_from:
-        read_meta(Path(config.resume_from))
+    shared = config.checkpoint_storage == "shared"
+    if config.resume_from and (shared or Path(config.resume_from).exists()):
+        read_meta(Path(config.resume_from))  # with a folder per node, some nodes may lack it
 
 
 def check_writable_folder(folder: Path, flag: str) -> None:
