@@ -322,10 +322,15 @@ def time_steps(
 
 
 def table(variants: list[Variant], curves: Curves, timing: Timing, target_step: int) -> str:
-    """Markdown: steps to the target, and per link step time, time to target and the speed-up
-    over dense, whose time to its own loss at ``target_step`` is ``target_step`` steps (at any
-    method's seeds)."""
+    """Markdown: steps to the target, the compute-bound limit (those steps at dense AdamW's
+    step time on the unlimited link, ``off``), and per link step time, time to target and the
+    speed-up over dense, whose time to its own loss at ``target_step`` is ``target_step`` steps
+    (at any method's seeds)."""
     header = ["method", "target (seeds)", "steps to target"]
+    unlimited = timing.seconds.get(("off", "none"), math.nan)
+    header += (
+        ["compute-bound s (steps x dense's unlimited step)"] if "off" in timing.measured else []
+    )
     for spec in timing.measured:
         header += [f"step s @ {spec}", f"time to target s @ {spec}", f"vs dense @ {spec}"]
         header += [f"predicted step s @ {spec}"] if timing.predicted and spec != "off" else []
@@ -336,6 +341,7 @@ def table(variants: list[Variant], curves: Curves, timing: Timing, target_step: 
         steps = steps_to(curve, curves.target(variant.name)) if curve else math.nan
         row = [variant.label, _target(curves, variant.name)]
         row += ["no frontier runs" if math.isnan(steps) else _steps(steps)]
+        row += [_seconds(steps * unlimited)] if "off" in timing.measured else []
         for spec in timing.measured:
             seconds = timing.seconds[(spec, variant.name)]
             total = steps * seconds
