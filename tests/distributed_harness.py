@@ -65,6 +65,11 @@ def torchrun(args: list[str], nproc: int = 2, **options: object) -> subprocess.C
     )
 
 
+PEAK = ("--peak-tflops", "1")
+"""A given peak for MFU: each start then skips the CPU's matmul measurement (about 1 to 2 s per
+rank with 2 ranks on 2 cores). test_end_to_end's run measures it (``--peak-tflops 0``)."""
+
+
 def tiny_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
     """The tiny config on the shared C4 sample, with the output folder given."""
     return [
@@ -72,7 +77,7 @@ def tiny_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
         "--tokenizer", str(sample_data / "tokenizer" / "mistral-7b-v0.1"),
         "--data-files", str(sample_data / "c4" / "*train*.json.gz"),
         "--eval-files", str(sample_data / "c4" / "*validation*.json.gz"),
-        "--output-dir", str(output_dir),
+        "--output-dir", str(output_dir), *PEAK,
         *extra,
     ]  # fmt: skip
 
@@ -197,4 +202,4 @@ def _kill(procs: list[mp.Process]) -> None:
         proc.join(timeout=5)
 
 
-__all__ = ["free_port", "run_distributed", "tiny_args", "torchrun", "torchrun_command"]
+__all__ = ["PEAK", "free_port", "run_distributed", "tiny_args", "torchrun", "torchrun_command"]

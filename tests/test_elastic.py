@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from distributed_harness import REPO, free_port, subprocess_env, torchrun, torchrun_command
+from distributed_harness import PEAK, REPO, free_port, subprocess_env, torchrun, torchrun_command
 
 pytestmark = pytest.mark.slow  # torchrun agents leave and join a running group
 
@@ -41,7 +41,7 @@ def _args(sample_data: Path, output_dir: Path) -> list[str]:
         "--max-steps", str(STEPS), "--checkpoint-every", "2", "--log-every", "1",
         "--eval-every", "0", "--eval-batches", "1", "--learning-rate", "1e-2",
         "--warmup-steps", "2", "--zero1", "--threads", "1", "--keep-global-batch",
-        "--timeout-s", "60",
+        "--timeout-s", "60", *PEAK,
     ]  # fmt: skip
 
 

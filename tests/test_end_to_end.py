@@ -23,9 +23,10 @@ STEPS = 20
 
 
 def e2e_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
-    """The tiny config, shortened for a test: 20 steps of 2 x 4 x 128 tokens."""
+    """The tiny config, shortened for a test: 20 steps of 2 x 4 x 128 tokens; the MFU peak
+    measured (or looked up on a GPU) as in a user's run."""
     return tiny_args(
-        sample_data, output_dir,
+        sample_data, output_dir, "--peak-tflops", "0",
         "--seq-length", "128", "--batch-size", "4", "--max-steps", str(STEPS),
         "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5",
         "--eval-every", "10", "--eval-batches", "4", "--tensorboard", *extra,
@@ -111,7 +112,8 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_pa
     """Rank 0 gets 4 documents and rank 1 gets 3 (every other line): with --max-steps -1 both
     stop together, instead of waiting forever. Logging every step, they stop on the step where
     the first of them runs out; logging every 3 steps (ranks agree on log steps only, having
-    read ahead to the next one), on the last log step before it."""
+    read ahead to the next one), on the last log step before it. Started again, the second run
+    resumes at the end of its data and exits 0: nothing left to train is success."""
     texts = [" ".join(["word"] * (40 + 10 * i)) for i in range(7)]
     data = tmp_path / "uneven.json.gz"
     with gzip.open(data, "wt", encoding="utf-8") as handle:
@@ -132,6 +134,10 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_pa
         assert steps == list(range(log_every, steps[-1] + 1, log_every))
         last_steps[log_every] = steps[-1]
     assert last_steps[3] == last_steps[1] // 3 * 3 > 0
+    again = torchrun(args)  # resumed at the end of its data: nothing left to train is success
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"end of training data after {last_steps[3]} steps" in again.stderr
+    assert f"at step {last_steps[3]}" in again.stderr and (output / "final_model").is_dir()
 
 
 def test_without_torchrun_trains_as_one_process(sample_data: Path, tmp_path: Path) -> None:

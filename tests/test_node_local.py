@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from distributed_harness import REPO, run_distributed
+from distributed_harness import PEAK, REPO, run_distributed
 from tiny_models import digest, logged_losses, train_in_group
 
 from torchrun_ddp.errors import UserError
@@ -40,7 +40,7 @@ def _argv(base: Path, node: int, steps: int, extra: list[str]) -> list[str]:
         "--output-dir", str(base / "out"), "--checkpoint-dir", str(base / f"node-{node}"),
         "--seq-length", "32", "--batch-size", "1", "--max-steps", str(steps),
         "--checkpoint-every", "2", "--log-every", "1", "--eval-every", "0",
-        "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1", *extra,
+        "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1", *PEAK, *extra,
     ]  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """A run that would train nothing fails in one line: refused at start-up where the data files
 can be counted (build.check_enough_tokens), stopped before the first step where they cannot
-(main.train), and a resume at the end of the data still succeeds."""
+(main.train). A resume at the end of the data still succeeds: test_end_to_end.py."""
 
 from __future__ import annotations
 
@@ -153,25 +153,3 @@ def test_data_that_ends_before_the_first_step_fails_in_one_line_and_saves_nothin
     assert "ChildFailedError" in result.stderr and "exitcode  : 2" in result.stderr
     assert not (output / "final_model").exists()
     assert not list((output / "checkpoints").glob("step-*"))
-
-
-@pytest.mark.slow
-def test_a_resume_at_the_end_of_the_data_still_succeeds(
-    sample_data: Path, tmp_path: Path, tokenizer: PreTrainedTokenizerBase
-) -> None:
-    """A run trained to the end of its data, started again: nothing is left to train, it
-    exits 0 and exports final_model again."""
-    data = _gzip_lines(tmp_path / "few.json.gz", ["word " * 60] * 3)
-    output = tmp_path / "out"
-    args = tiny_args(sample_data, output, "--data-files", data, "--model", SMALL_LLAMA)
-    args += ["--max-steps", "-1", "--seq-length", "16", "--batch-size", "1", "--log-every", "1"]
-    first = torchrun(args)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "end of training data after" in first.stderr
-    steps = first.stderr.split("end of training data after ")[1].split()[0]
-    assert int(steps) > 0
-    again = torchrun(args)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"end of training data after {steps} steps" in again.stderr
-    assert f"resumed from {output / 'checkpoints' / f'step-{steps}'}" in again.stderr
-    assert (output / "final_model" / "config.json").is_file()

@@ -465,7 +465,9 @@ def build_trainer(
     )
     torch.manual_seed(config.seed + env.rank)
     compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
-    peak, peak_source = device_peak_flops(device, compute_dtype)
+    peak, peak_source = config.peak_tflops * 1e12, "--peak-tflops"
+    if not config.peak_tflops:
+        peak, peak_source = device_peak_flops(device, compute_dtype)
     flops, tokens = (
         flops_per_token(model, inputs.model_config, config),
         tokens_per_step(config, env),

@@ -380,6 +380,11 @@ class TrainConfig:
     tensorboard: bool = _opt(
         False, "Also write TensorBoard event files to <output-dir>/tensorboard."
     )
+    peak_tflops: float = _opt(
+        0.0,
+        "Peak TFLOP/s of one rank's device for MFU; 0: the GPU's data-sheet dense bf16 peak, "
+        "or on CPU a short matmul measurement at start-up.",
+    )
     dry_run: bool = _opt(
         False,
         "Build the model on the meta device (no weights), print the per-rank memory and FLOP "
