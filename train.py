@@ -34,7 +34,10 @@ def main(argv: list[str]) -> int:
 
         finished = run(config, env)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # One write of the whole line: ranks share torchrun's stderr, and print() writes the
+        # text and the newline apart, so two ranks' lines could run into one.
+        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.flush()
         return 2
     return 0 if finished else STOPPED
 
