@@ -147,7 +147,8 @@ def test_an_empty_folder_gets_the_newest_step_and_the_buddy_files_from_its_peer(
         _step(node0, step, [0, 1, 2, 3])  # own ranks and node 1's buddy copies
     node1.mkdir()
     decision = _plan([node0, node1])
-    assert decision["plan"] == {"run_id": "run-a", "step": 6, "lost": []}
+    assert decision["plan"] == {"run_id": "run-a", "step": 6, "lost": [], "segment": 1}
+    assert decision["holders"] == [0]  # node 1 gets the whole step
     [(source, target, files)] = decision["streams"]
     assert (source, target) == (0, 2)  # leader of node 0 to leader of node 1
     names = [name for name, _ in files]
@@ -168,8 +169,8 @@ def test_a_folder_with_an_older_newest_step_makes_everyone_resume_the_common_one
     _step(node1, 4, [2, 3])
     layout = StorageLayout(LAYOUT.domains, 0, 0)
     decision = _plan([node0, node1], layout)
-    assert decision["plan"] == {"run_id": "run-a", "step": 4, "lost": []}
-    assert decision["streams"] == []
+    assert decision["plan"] == {"run_id": "run-a", "step": 4, "lost": [], "segment": 1}
+    assert decision["streams"] == [] and decision["holders"] == [0, 1]
     assert decision["note"] == (
         "resuming step 4 from the nodes' own folders (step 6: the own state of ranks 2, 3 is "
         "in no folder)"
@@ -183,7 +184,7 @@ def test_lost_own_state_is_rebuilt_where_the_caller_can_and_refused_in_one_line_
     _step(node0, 6, [])  # every per-rank file lost, the replicated state kept
     _step(node1, 6, [])
     decision = _plan([node0, node1])
-    assert decision["plan"] == {"run_id": "run-a", "step": 6, "lost": [0, 1, 2, 3]}
+    assert decision["plan"] == {"run_id": "run-a", "step": 6, "lost": [0, 1, 2, 3], "segment": 1}
     assert decision["note"].endswith("; the own state of ranks 0, 1, 2, 3 is rebuilt")
     with pytest.raises(UserError) as refused:
         _plan([node0, node1], why="a ZeRO-1 optimizer shard cannot be rebuilt")
@@ -213,6 +214,9 @@ def test_folders_of_another_run_a_fresh_start_and_resume_from_are_decided_in_one
     assert fresh["delete"] and fresh["plan"]["run_id"] != "run-a"
     chosen = _plan([node0, node1], resume_from=str(node0 / "step-4"))
     assert chosen["plan"]["step"] == 4 and chosen["source"] == "resume_from"
+    assert chosen["holders"] == [0, 1] and chosen["streams"] == []  # both see that path here
+    (node0 / "run.json").unlink()  # --resume-from into new folders keeps the checkpoint's run
+    assert _plan([node0, node1], resume_from=str(node0 / "step-4"))["plan"]["run_id"] == "run-a"
     with pytest.raises(UserError, match=r"is not a complete checkpoint on any node"):
         _plan([node0, node1], resume_from=str(tmp_path / "nowhere"))
 
@@ -227,5 +231,6 @@ def test_a_stale_copy_of_a_step_from_an_abandoned_timeline_is_replaced_not_mixed
     _step(node1, 6, [0, 1, 2, 3], segment=0)
     decision = _plan([node0, node1])
     assert decision["plan"]["step"] == 6 and decision["holders"] == [0]
+    assert decision["plan"]["segment"] == 2  # above every timeline in any folder
     [(source, target, files)] = decision["streams"]
     assert (source, target) == (0, 2) and len(files) == 3 + 8  # replicated files and all ranks

@@ -150,15 +150,15 @@ def test_a_folder_whose_newest_step_is_older_makes_every_rank_resume_the_common_
 ) -> None:
     """Node 1 lost its step 6, and node 0 holds no buddy copy of node 1's ranks for it (as with
     --buddy-copies 0): step 6 cannot be resumed exactly, so every rank resumes step 4, and
-    node 0's step 6 is set aside."""
+    node 0's step 6 is set aside (and deleted once the run saves step 6 again)."""
     shutil.copytree(references["adamw"][0], tmp_path, dirs_exist_ok=True)
     shutil.rmtree(tmp_path / "node-1" / "step-6")
     for file in (tmp_path / "node-0" / "step-6").glob("rank-[23].*"):
         file.unlink()
     again = _run(tmp_path, 7, METHODS["adamw"])
     assert [r["step"] for r in again] == [7, 7, 7, 7]
-    assert (tmp_path / "node-0" / "step-6.stale").is_dir()
-    assert any("resuming the older step 4" in w for w in again[0]["warnings"])
+    assert any("as step-6.stale: resuming the older step 4" in w for w in again[0]["warnings"])
+    assert not (tmp_path / "node-0" / "step-6.stale").exists()  # saved again at 6: deleted
     losses = logged_losses(tmp_path / "out")
     assert sorted(losses) == list(range(1, 8))
     assert losses[5] == logged_losses(references["adamw"][0] / "out")[5]  # the same step 5

@@ -30,8 +30,9 @@ SPARSE = ["--optimizer", "sparseloco", "--compression", "none"]
 
 
 def test_the_statistical_quantizer_is_templars_per_tensor_codebook() -> None:
-    """2 bits: bins 1.5 std wide around the mean, bin 2 holding values just above it (Templar's
-    asymmetric offset); each level is the mean of its values; 8 bits come back within a bin."""
+    """2 bits: bins 1.5 std wide around the mean, bin 2 holding the values within half a bin of
+    it (Templar's asymmetric offset); each level is the mean of its values; 8 bits come back
+    within a bin."""
     generator = torch.Generator().manual_seed(3)
     values = torch.randn(16, 8, generator=generator)
     codes, table = quantize_statistical(values, 2)

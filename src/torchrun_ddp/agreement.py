@@ -135,7 +135,7 @@ def _agree_across_folders(
         partial(rebuild_problem, config),
         partial(check_records, metrics, overwrite=overwrite),
     )
-    verify_start(plan, device)
+    verify_start(plan, device, folder_per_node=True)
     return plan
 
 

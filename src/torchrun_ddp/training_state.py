@@ -182,7 +182,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     trainer.step = int(saved["step"])
     trainer.tokens_seen = int(saved["tokens_seen"])
     trainer.data_since = saved.get("data_since") if same_layout else trainer.step
-    trainer.segment = int(saved.get("segment") or 0) + 1
+    trainer.segment = plan.segment
     if int(saved["world_size"]) != trainer.env.world_size:
         resume_resharded(trainer, path, saved, plan.lost)
     elif per_rank is None:
@@ -279,6 +279,12 @@ def old_data_positions(
     old_config = cast(Mapping[str, object], saved.get("config") or {})
     per_rank = int(old_config["accumulation_steps"]) * int(old_config["batch_size"])
     windows = trainer.data.source.windows
+    if lost:
+        log.warning(
+            "no checkpoint folder holds the own state of old ranks %s: their data positions "
+            "are replayed from the document order (exact), their other state is dropped",
+            ", ".join(map(str, lost)),
+        )
     return [
         windows.replayed(rank, old_world, trainer.step * per_rank)
         if rank in lost

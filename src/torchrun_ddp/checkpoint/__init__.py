@@ -18,8 +18,10 @@ One concern per module (they import each other; nothing else in the package does
   start), ``StorageLayout`` (leaders, buddy copies, each domain's process group).
 - ``transfer``: files sent between ranks in bounded chunks over the process group, checked with
   SHA-256 (a peer's recovery, buddy copies).
-- ``peers``: with several folders, each folder's inventory, the step every rank can resume, and
-  the copies that give a folder what it lacks (``agree_across``).
+- ``peers``: with several folders, each folder's inventory and the plan: the step every rank
+  can resume, and the copies that give a folder what it lacks.
+- ``recovery``: the collective start with several folders (``agree_across``): inventories
+  gathered, rank 0's plan carried out in every folder, failures told to every rank.
 
 Callers import from the package: ``from torchrun_ddp.checkpoint import save_checkpoint``.
 
@@ -39,8 +41,9 @@ from torchrun_ddp.checkpoint.adapters import (
     model_fingerprint,
 )
 from torchrun_ddp.checkpoint.folders import MARKER, find_latest, read_meta
-from torchrun_ddp.checkpoint.peers import agree_across, inventory, plan_across
+from torchrun_ddp.checkpoint.peers import inventory, plan_across
 from torchrun_ddp.checkpoint.ranks import all_gather_json, broadcast_json
+from torchrun_ddp.checkpoint.recovery import agree_across
 from torchrun_ddp.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
 from torchrun_ddp.checkpoint.run_identity import (
     RUN_FILE,

@@ -102,7 +102,24 @@ def publish(tmp: Path, final: Path, step: int = -1) -> None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints, marker first."""
-    for _, path in complete_steps(root)[:-keep]:
+    """Delete all but the newest ``keep`` complete checkpoints, marker first, and the copies
+    set aside as ``step-<N>.stale`` (a resume from an older step) that the run has passed."""
+    steps = complete_steps(root)
+    for _, path in steps[:-keep]:
         (path / MARKER).unlink()
         shutil.rmtree(path)
+    if steps:
+        remove_stale(root, steps[-1][0])
+
+
+_STALE_DIR = re.compile(r"step-(\d+)\.stale")
+
+
+def remove_stale(root: Path, up_to: float = float("inf")) -> None:
+    """Delete the ``step-<N>.stale`` folders under ``root`` with ``N <= up_to``."""
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        match = _STALE_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and int(match.group(1)) <= up_to:
+            shutil.rmtree(entry)

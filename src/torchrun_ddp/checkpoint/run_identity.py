@@ -22,9 +22,11 @@ from torchrun_ddp.checkpoint.codec import fsync_dir, write_json
 from torchrun_ddp.checkpoint.folders import (
     MARKER,
     META_JSON,
+    complete_steps,
     find_latest,
     read_meta,
     remove_incomplete,
+    remove_stale,
     step_dirs,
 )
 from torchrun_ddp.checkpoint.ranks import distributed, rank_and_world
@@ -48,6 +50,10 @@ class StartPlan:
     lost: tuple[int, ...] = ()
     """Ranks of the checkpoint whose own state no folder holds (several storage domains, more
     lost than buddy copies): the caller rebuilds it (``peers.plan_across``)."""
+    segment: int = 0
+    """The timeline the run trains on from here: 0 for a fresh run, else one above every
+    checkpoint's ``segment`` in the folder(s), so that a step saved again outranks a stale copy
+    (``peers``)."""
 
 
 def read_run_id(root: Path) -> str | None:
@@ -114,7 +120,20 @@ def plan_start(root: Path, resume: bool, resume_from: str, overwrite: bool) -> S
             f"--checkpoint-dir {root} holds run {existing} but {path} belongs to run {run_id}; "
             "resume into the checkpoint's own folder, or pass a new --checkpoint-dir"
         )
-    return StartPlan(run_id, str(path), int(meta["step"]))
+    return StartPlan(run_id, str(path), int(meta["step"]), segment=_next_segment(root, meta))
+
+
+def _next_segment(root: Path, resumed: dict[str, object]) -> int:
+    """One above the ``segment`` of the resumed checkpoint and of every complete one in
+    ``root`` (a meta.json that cannot be read counts as 0)."""
+    segments = [int(resumed.get("segment") or 0)]
+    for _, folder in complete_steps(root):
+        try:
+            meta = json.loads((folder / META_JSON).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        segments.append(int(meta.get("segment") or 0) if isinstance(meta, dict) else 0)
+    return 1 + max(segments)
 
 
 def record_run_id(root: Path, run_id: str) -> None:
@@ -124,11 +143,12 @@ def record_run_id(root: Path, run_id: str) -> None:
 
 
 def delete_run(root: Path) -> None:
-    """Delete every ``step-<N>`` and ``*.tmp`` folder and ``run.json`` under ``root`` (markers
-    first, so a crash halfway never leaves a loadable partial checkpoint)."""
+    """Delete every ``step-<N>``, ``*.tmp`` and ``*.stale`` folder and ``run.json`` under
+    ``root`` (markers first, so a crash halfway never leaves a loadable partial checkpoint)."""
     for _, path in step_dirs(root):
         (path / MARKER).unlink(missing_ok=True)
     remove_incomplete(root)
+    remove_stale(root)
     (root / RUN_FILE).unlink(missing_ok=True)
 
 
@@ -149,11 +169,12 @@ def check_start(plan: StartPlan) -> str:
     return ""
 
 
-def verify_start(plan: StartPlan, device: torch.device) -> None:
+def verify_start(plan: StartPlan, device: torch.device, folder_per_node: bool = False) -> None:
     """Collective: every rank checks ``check_start(plan)``; one all-reduce (MIN) of the verdicts.
 
     Raises UserError on every rank (so none waits in a later collective) when any rank does not
-    see the checkpoint rank 0 chose, e.g. a node-local or stale --checkpoint-dir.
+    see the checkpoint rank 0 chose, e.g. a stale view of a shared --checkpoint-dir
+    (``folder_per_node``: each rank checks its own folder after the copies; the hint differs).
     """
     problem = check_start(plan)
     verdict = torch.tensor([0 if problem else 1], device=device)
@@ -162,8 +183,12 @@ def verify_start(plan: StartPlan, device: torch.device) -> None:
     if int(verdict.item()) == 1:
         return
     rank, _ = rank_and_world()
+    fix = (
+        "check that no other job writes into the nodes' --checkpoint-dir folders"
+        if folder_per_node
+        else "put --checkpoint-dir on a file system shared by all nodes, at the same path"
+    )
     raise UserError(
         f"not every rank sees the checkpoint {plan.path} (step {plan.step}) that rank 0 chose "
-        f"(rank {rank}: {problem or 'sees it'}); put --checkpoint-dir on a file system shared "
-        "by all nodes, at the same path"
+        f"(rank {rank}: {problem or 'sees it'}); {fix}"
     )

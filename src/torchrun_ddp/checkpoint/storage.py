@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -86,15 +87,15 @@ class StorageLayout:
 
     def describe(self) -> str:
         """``"2 checkpoint folders: ranks 0-1 | ranks 2-3, 1 buddy copy"``, for the log."""
-        parts = " | ".join(_span(ranks) for ranks in self.domains)
+        parts = " | ".join(span(ranks) for ranks in self.domains)
         copies = "copy" if self.buddy_copies == 1 else "copies"
         return (
             f"{len(self.domains)} checkpoint folders: {parts}, {self.buddy_copies} buddy {copies}"
         )
 
 
-def _span(ranks: tuple[int, ...]) -> str:
-    """``ranks 0-3`` for consecutive ranks, else ``ranks 0,2``."""
+def span(ranks: Sequence[int]) -> str:
+    """``ranks 0-3`` for consecutive ranks, ``rank 2`` for one, else ``ranks 0,2``."""
     if list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
         return f"ranks {ranks[0]}-{ranks[-1]}"
     return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
@@ -138,20 +139,24 @@ def detect_storage(
 
 def _probe(root: Path) -> tuple[tuple[int, ...], ...]:
     """Each rank writes ``<root>/.storage-probe/<token>/rank-<r>`` and checks which ranks'
-    files it sees; the views, gathered, must partition the ranks. The probe folder is removed."""
+    files it sees; the views, gathered, must partition the ranks (``_domains``, the same
+    verdict on every rank, given after the probe folder is removed). A rank that cannot write
+    its file sees none, which ``_domains`` refuses on every rank."""
     token = str(broadcast_json(uuid.uuid4().hex))
     rank, world = dist.get_rank(), dist.get_world_size()
     folder = root / PROBE_DIR / token
-    folder.mkdir(parents=True, exist_ok=True)
-    write_bytes(folder / f"rank-{rank}", b"")
+    with contextlib.suppress(OSError):  # reported below as a view without its own file
+        folder.mkdir(parents=True, exist_ok=True)
+        write_bytes(folder / f"rank-{rank}", b"")
     barrier()
     seen = torch.tensor([(folder / f"rank-{r}").is_file() for r in range(world)], dtype=torch.uint8)
-    views = [torch.zeros_like(seen) for _ in range(world)]
-    dist.all_gather(views, seen.to(collective_device()))
+    device = collective_device()
+    views = [torch.zeros(world, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(views, seen.to(device))
     matrix = [[bool(value) for value in view.tolist()] for view in views]
     (folder / f"rank-{rank}").unlink(missing_ok=True)
     barrier()
-    if rank == matrix[rank].index(True):  # the first rank that sees this folder tidies it
+    if matrix[rank][rank] and rank == matrix[rank].index(True):  # the first rank seeing it
         shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(OSError):  # another run's probe may be there
             (root / PROBE_DIR).rmdir()

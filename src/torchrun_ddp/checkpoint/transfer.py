@@ -106,9 +106,12 @@ class _Writer:
         self.handle: BinaryIO | None = None
         self.digest = hashlib.sha256()
         self.error = ""
-        for name, size in self.files:
-            if size == 0:
-                self._open(name).close()
+        try:
+            for name, size in self.files:
+                if size == 0:
+                    self._open(name).close()
+        except OSError as exc:
+            self.error = f"cannot write in {self.folder} ({exc.strerror})"
 
     def write(self, data: bytes) -> None:
         self.digest.update(data)

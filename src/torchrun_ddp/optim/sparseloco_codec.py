@@ -170,7 +170,8 @@ def quantize_statistical(values: torch.Tensor, bits: int) -> tuple[torch.Tensor,
     """Templar's quantizer over all of ``values`` (fp32 [n, k], one tensor's selected values):
     codes (int64 [n, k]) in ``[0, 2^bits)`` and the table, fp32 [1 + 2^bits]: the shift (the
     mean), then each bin's level (the mean of the centred values in it; 0 for an empty bin).
-    Bins are ``6 std / 2^bits`` wide, bin ``2^bits / 2`` holding values just above the mean."""
+    Bins are ``6 std / 2^bits`` wide; bin ``2^bits / 2`` holds the values within half a bin of
+    the mean."""
     bins = 2**bits
     shift = values.mean()
     centred = values - shift
