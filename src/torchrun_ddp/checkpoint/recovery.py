@@ -62,7 +62,9 @@ def agree_across(
     _raise_if_failed(inventories, failure)
     decision: dict[str, object] = {}
     if rank == 0:
-        decision, failure = _decide(inventories, layout, resume, resume_from, overwrite, rebuild)
+        decision, failure = _decide(
+            lambda: plan_across(inventories, layout, resume, resume_from, overwrite, rebuild)
+        )
         if "plan" in decision:
             try:
                 check(str(decision["plan"]["run_id"]))
@@ -88,18 +90,12 @@ def _raise_if_failed(answers: Sequence[Mapping[str, object]], failure: Exception
         raise UserError(errors[0])
 
 
-def _decide(
-    inventories: Sequence[Inventory],
-    layout: StorageLayout,
-    resume: bool,
-    resume_from: str,
-    overwrite: bool,
-    rebuild: Rebuild,
-) -> tuple[dict[str, object], Exception | None]:
-    """Rank 0: ``plan_across``, or ``{"error": line}`` for a refusal, or ``{"failure": ...}``
-    with the exception for anything else (re-raised on rank 0 once the others are told)."""
+def _decide(plan: Callable[[], dict[str, object]]) -> tuple[dict[str, object], Exception | None]:
+    """Rank 0: ``plan()`` (``plan_across``), or ``{"error": line}`` for a refusal, or
+    ``{"failure": ...}`` with the exception for anything else (re-raised on rank 0 once the
+    others are told)."""
     try:
-        return plan_across(inventories, layout, resume, resume_from, overwrite, rebuild), None
+        return plan(), None
     except UserError as exc:
         return {"error": str(exc)}, None
     except Exception as exc:  # re-raised by the caller, once every rank knows
