@@ -10,6 +10,7 @@ checkpoint rank 0 chose (``--checkpoint-dir`` must be one shared file system at 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from dataclasses import dataclass
@@ -128,11 +129,8 @@ def _next_segment(root: Path, resumed: dict[str, object]) -> int:
     ``root`` (a meta.json that cannot be read counts as 0)."""
     segments = [int(resumed.get("segment") or 0)]
     for _, folder in complete_steps(root):
-        try:
-            meta = json.loads((folder / META_JSON).read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        segments.append(int(meta.get("segment") or 0) if isinstance(meta, dict) else 0)
+        with contextlib.suppress(UserError):  # unreadable: counts as 0
+            segments.append(int(read_meta(folder).get("segment") or 0))
     return 1 + max(segments)
 
 
