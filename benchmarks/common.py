@@ -86,6 +86,15 @@ def _eager(variant: Variant) -> Variant:
                    variant.period)  # fmt: skip
 
 
+def _delayed(variant: Variant, steps: int) -> Variant:
+    """Overlapped DiLoCo or SparseLoCo ``variant`` whose outer update lands ``steps`` inner steps
+    after the sync instead of one whole window (``--sync-delay``; name suffix ``-delay<steps>``)."""
+    flags = (*variant.flags, "--sync-delay", str(steps))
+    label = f"{variant.label}, {steps} step late"
+    return Variant(f"{variant.name}-delay{steps}", label, flags, variant.collective,
+                   variant.scope, variant.period)  # fmt: skip
+
+
 def _templar() -> Variant:
     """SparseLoCo as Templar runs it (``--sparseloco-preset templar``: H 30, k 64 of 64 x 64,
     2-bit statistical values, error feedback 0.95, sender mean, median clipping, outer lr 1)."""
@@ -193,6 +202,8 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _local("sparseloco", 125, topk=256),
         _eager(_local("diloco", 50)),
         _eager(_local("sparseloco", 25)),
+        _delayed(_overlapped(_local("sparseloco", 25)), 1),
+        _delayed(_eager(_local("sparseloco", 25)), 1),
         _templar(),
         _overlapped(_templar()),
         _eager(_templar()),
