@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,39 +60,42 @@ def _dct(ratio: float, block: int, values: str = "float32", rotating: bool = Fal
     return Variant(name, label, flags)
 
 
+def _extended(variant: Variant, suffix: str, label: str, *flags: str, scope: str = "") -> Variant:
+    """``variant`` with more ``train.py`` ``flags``: name suffix ``-<suffix>``, ``, <label>`` added
+    to its label, and its scope replaced where ``scope`` is given; the rest is kept."""
+    return replace(
+        variant,
+        name=f"{variant.name}-{suffix}",
+        label=f"{variant.label}, {label}",
+        flags=(*variant.flags, *flags),
+        scope=scope or variant.scope,
+    )
+
+
 def _node_aware(variant: Variant) -> Variant:
     """``variant`` with ``--compression-scope inter-node`` (name suffix ``-node``)."""
-    flags = (*variant.flags, "--compression-scope", "inter-node")
-    label = f"{variant.label}, node-aware"
-    name = f"{variant.name}-node"
-    return Variant(name, label, flags, variant.collective, "inter-node", variant.period)
+    flags = ("--compression-scope", "inter-node")
+    return _extended(variant, "node", "node-aware", *flags, scope="inter-node")
 
 
 def _overlapped(variant: Variant) -> Variant:
     """DeMo, DiLoCo or SparseLoCo ``variant`` with ``--overlap-exchange`` (name suffix
     ``-overlap``; DiLoCo and SparseLoCo: the outer update one whole window late)."""
-    flags = (*variant.flags, "--overlap-exchange")
-    label = f"{variant.label}, overlapped"
-    name = f"{variant.name}-overlap"
-    return Variant(name, label, flags, variant.collective, variant.scope, variant.period)
+    return _extended(variant, "overlap", "overlapped", "--overlap-exchange")
 
 
 def _eager(variant: Variant) -> Variant:
     """DiLoCo or SparseLoCo ``variant`` overlapped with eager updates (``--overlap-exchange
     --eager-updates``; name suffix ``-eager``)."""
-    flags = (*variant.flags, "--overlap-exchange", "--eager-updates")
-    label = f"{variant.label}, overlapped, eager"
-    return Variant(f"{variant.name}-eager", label, flags, variant.collective, variant.scope,
-                   variant.period)  # fmt: skip
+    flags = ("--overlap-exchange", "--eager-updates")
+    return _extended(variant, "eager", "overlapped, eager", *flags)
 
 
 def _delayed(variant: Variant, steps: int) -> Variant:
     """Overlapped DiLoCo or SparseLoCo ``variant`` whose outer update lands ``steps`` inner steps
     after the sync instead of one whole window (``--sync-delay``; name suffix ``-delay<steps>``)."""
-    flags = (*variant.flags, "--sync-delay", str(steps))
-    label = f"{variant.label}, {steps} step late"
-    return Variant(f"{variant.name}-delay{steps}", label, flags, variant.collective,
-                   variant.scope, variant.period)  # fmt: skip
+    flags = ("--sync-delay", str(steps))
+    return _extended(variant, f"delay{steps}", f"{steps} step late", *flags)
 
 
 def _templar() -> Variant:
