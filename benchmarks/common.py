@@ -203,6 +203,8 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _overlapped(_local("sparseloco", 25)),
         _overlapped(_node_aware(_local("sparseloco", 25))),
         _local("sparseloco", 125, topk=256),
+        _local("sparseloco", 100, topk=256),
+        _local("sparseloco", 10, topk=25),
         _eager(_local("diloco", 50)),
         _eager(_local("sparseloco", 25)),
         _delayed(_overlapped(_local("sparseloco", 25)), 1),
