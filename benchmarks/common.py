@@ -78,6 +78,11 @@ def _node_aware(variant: Variant) -> Variant:
     return _extended(variant, "node", "node-aware", *flags, scope="inter-node")
 
 
+def _outer_lr(variant: Variant, lr: float) -> Variant:
+    """DiLoCo or SparseLoCo ``variant`` with ``--outer-lr lr`` (name suffix ``-outer<lr>``)."""
+    return _extended(variant, f"outer{lr:g}", f"outer lr {lr:g}", "--outer-lr", f"{lr:g}")
+
+
 def _overlapped(variant: Variant) -> Variant:
     """DeMo, DiLoCo or SparseLoCo ``variant`` with ``--overlap-exchange`` (name suffix
     ``-overlap``; DiLoCo and SparseLoCo: the outer update one whole window late)."""
@@ -205,6 +210,7 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _local("sparseloco", 125, topk=256),
         _local("sparseloco", 100, topk=256),
         _local("sparseloco", 10, topk=25),
+        *(_outer_lr(_local("sparseloco", 25), lr) for lr in (0.7, 1.5)),
         _eager(_local("diloco", 50)),
         _eager(_local("sparseloco", 25)),
         _delayed(_overlapped(_local("sparseloco", 25)), 1),
