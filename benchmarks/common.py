@@ -83,6 +83,13 @@ def _outer_lr(variant: Variant, lr: float) -> Variant:
     return _extended(variant, f"outer{lr:g}", f"outer lr {lr:g}", "--outer-lr", f"{lr:g}")
 
 
+def _error_feedback(variant: Variant, decay: float) -> Variant:
+    """SparseLoCo ``variant`` with error-feedback decay ``--sparseloco-beta decay`` (name suffix
+    ``-beta<decay>``)."""
+    flags = ("--sparseloco-beta", f"{decay:g}")
+    return _extended(variant, f"beta{decay:g}", f"error feedback {decay:g}", *flags)
+
+
 def _overlapped(variant: Variant) -> Variant:
     """DeMo, DiLoCo or SparseLoCo ``variant`` with ``--overlap-exchange`` (name suffix
     ``-overlap``; DiLoCo and SparseLoCo: the outer update one whole window late)."""
@@ -211,6 +218,7 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         _local("sparseloco", 100, topk=256),
         _local("sparseloco", 10, topk=25),
         *(_outer_lr(_local("sparseloco", 25), lr) for lr in (0.7, 1.5)),
+        _error_feedback(_local("sparseloco", 25), 0.999),
         _eager(_local("diloco", 50)),
         _eager(_local("sparseloco", 25)),
         _delayed(_overlapped(_local("sparseloco", 25)), 1),
