@@ -1,5 +1,6 @@
 """The benchmark variants (benchmarks/common.py) are train.py settings: each variant's flags parse
-into a valid TrainConfig, so a misspelt flag fails here, not an hour into a benchmark."""
+into a valid TrainConfig, so a misspelt flag fails here, not when a benchmark command reaches
+that variant after the runs before it."""
 
 from __future__ import annotations
 
