@@ -25,16 +25,12 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from torchrun_ddp.checkpoint import StorageLayout, find_latest, read_meta
-from torchrun_ddp.compression import (
-    CompressionState,
-    compression_settings,
-    register_compression,
-    register_local_gradients,
-)
+from torchrun_ddp.compression import CompressionState
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv, new_node_groups
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.lookahead import LookaheadBatches
+from torchrun_ddp.methods import Method, method_for
 from torchrun_ddp.metrics import (
     LogWindow,
     MetricsLogger,
@@ -53,23 +49,13 @@ from torchrun_ddp.model import (
     trainable_parameter_sizes,
     wrap_ddp,
 )
-from torchrun_ddp.optim import (
-    LOCAL_UPDATE_METHODS,
-    DemoSettings,
-    build_demo,
-    build_local_updates,
-    build_optimizer,
-    build_scheduler,
-    describe,
-    local_update_settings,
-    parameter_groups,
-)
+from torchrun_ddp.optim import build_scheduler
 from torchrun_ddp.plan import (
-    check_fits,
     matmul_parameter_count,
     model_flops_per_token,
     parameter_count,
 )
+from torchrun_ddp.plan.dry_run import check_fits
 from torchrun_ddp.training_data import (
     PackedWindows,
     build_train_loader,
@@ -95,11 +81,9 @@ class Inputs:
 
 
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
-    """Check the model, memory plan, tokenizer, data paths and compression settings; raises
+    """Check the model, memory plan, tokenizer, data paths and the method's settings; raises
     UserError on the first problem."""
-    compression_settings(config)
-    if config.optimizer in LOCAL_UPDATE_METHODS:
-        local_update_settings(config)
+    method_for(config)
     check_device(config.device)
     if config.compression_scope == "inter-node":
         check_node_layout(env)
@@ -272,9 +256,9 @@ def checkpoint_root(config: TrainConfig) -> Path:
 
 
 def build_ddp_model(
-    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv
+    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv, method: Method
 ) -> tuple[torch.nn.Module, DistributedDataParallel, CompressionState]:
-    """The model (a PeftModel under --peft lora), its DDP wrapper with the compression comm hook,
+    """The model (a PeftModel under --peft lora), its DDP wrapper with the method's comm hook,
     and the hook's state. Under LoRA, DDP sees only the adapters as parameters that need
     gradients, so only they are bucketed and all-reduced."""
     model: torch.nn.Module = build_model(
@@ -300,55 +284,10 @@ def build_ddp_model(
     shape, vocab = (config.batch_size, config.seq_length), inputs.model_config.vocab_size
     settle_buckets(ddp_model, shape, vocab, config.precision)
     node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
-    if config.optimizer != "adamw":  # DeMo, DiLoCo, SparseLoCo exchange themselves: DDP stays local
-        compression = register_local_gradients(ddp_model, node_groups=node_groups)
-    else:
-        compression = register_compression(
-            ddp_model, compression_settings(config), node_groups=node_groups
-        )
+    compression = method.register_hook(ddp_model, node_groups)
     if config.compile:
         compile_model(ddp_model)
     return model, ddp_model, compression
-
-
-def build_trainer_optimizer(
-    config: TrainConfig, model: torch.nn.Module, compression: CompressionState
-) -> Optimizer:
-    """AdamW (``optim.build_optimizer``: fused/foreach, ZeRO-1), DeMo (``optim.demo``,
-    which all-gathers its compressed momentum itself), or DiLoCo/SparseLoCo
-    (``optim.local_updates``: that AdamW stepped locally, a sync every --local-steps); the
-    last two count their bytes in ``compression``."""
-    if config.optimizer != "demo":
-        adamw = build_optimizer(
-            model,
-            config.learning_rate,
-            config.weight_decay,
-            implementation=config.adamw_implementation,
-            zero1=config.zero1,
-        )
-        if config.optimizer not in LOCAL_UPDATE_METHODS:
-            return adamw
-        settings = local_update_settings(config)
-        log.info("local updates: %s", describe(settings))
-        group = exchange_group(config, compression)
-        return build_local_updates(adamw, settings, compression, group)
-    demo = DemoSettings(
-        config.demo_beta, config.demo_topk, config.demo_tile_size, config.demo_value_dtype
-    )
-    groups = parameter_groups(model, config.weight_decay)
-    overlap, group = config.overlap_exchange, exchange_group(config, compression)
-    return build_demo(groups, config.learning_rate, demo, compression, overlap, group)
-
-
-def exchange_group(config: TrainConfig, compression: CompressionState) -> dist.ProcessGroup | None:
-    """A process group of its own (all ranks; collective: every rank builds it) for a flat
-    exchange that stays in flight across steps (--overlap-exchange), so that the loop's own
-    collectives (the log step's all-reduce, evaluation) do not queue behind it on the same
-    connections; None (the compression state's group) otherwise. Node-aware exchanges already
-    cross the uplinks in their own inter-node group."""
-    if not config.overlap_exchange or compression.node_groups is not None:
-        return None
-    return dist.new_group() if dist.is_initialized() else None
 
 
 def flops_per_token(
@@ -422,6 +361,8 @@ class Trainer:
     env: DistEnv
     device: torch.device
     model: DistributedDataParallel
+    method: Method
+    """The training method (``methods``): it built the comm hook and the optimizer."""
     optimizer: Optimizer
     scheduler: LRScheduler
     compression: CompressionState
@@ -456,10 +397,12 @@ def build_trainer(
     run_id: str = "",
     storage: StorageLayout | None = None,
 ) -> Trainer:
-    """Model in DDP with its comm hook, optimizer, schedule, data and metrics for this rank;
+    """Model in DDP with the method's comm hook and optimizer, schedule, data and metrics for this
+    rank;
     ``storage``: its checkpoint folders (``agreement.detect_checkpoint_storage``)."""
-    model, ddp_model, compression = build_ddp_model(config, device, inputs, env)
-    optimizer = build_trainer_optimizer(config, model, compression)
+    method = method_for(config)
+    model, ddp_model, compression = build_ddp_model(config, device, inputs, env, method)
+    optimizer = method.build(model, compression)
     scheduler = build_scheduler(
         optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
     )
@@ -483,6 +426,7 @@ def build_trainer(
         env=env,
         device=device,
         model=ddp_model,
+        method=method,
         optimizer=optimizer,
         scheduler=scheduler,
         compression=compression,

@@ -52,8 +52,7 @@ from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point
 from torchrun_ddp.metrics import any_rank, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context
-from torchrun_ddp.optim import DeMo, LocalUpdates
-from torchrun_ddp.plan import dry_run
+from torchrun_ddp.plan.dry_run import dry_run
 from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import resume, save, save_final_model
 
@@ -238,8 +237,7 @@ def flush_exchange(trainer: Trainer) -> None:
     """At the end of training: apply DeMo's update or DiLoCo's/SparseLoCo's sync still in
     flight (--overlap-exchange), so the last step is evaluated, checkpointed and exported with
     it (collective)."""
-    optimizer = trainer.optimizer
-    if isinstance(optimizer, DeMo | LocalUpdates) and optimizer.flush():
+    if trainer.method.flush():
         log.info("applied the last update in flight (step %d)", trainer.step)
 
 
@@ -255,16 +253,9 @@ def after_step(trainer: Trainer) -> None:
 def finish(trainer: Trainer) -> None:
     """The last evaluation and checkpoint, unless the last step already made them."""
     config, step = trainer.config, trainer.step
-    optimizer = trainer.optimizer
     flush_exchange(trainer)  # a resumed update in flight when the loop never ran
-    if isinstance(optimizer, LocalUpdates) and optimizer.position:
-        log.warning(
-            "training ends %d steps after the last sync: the last evaluation averages the "
-            "ranks' own parameters and rank 0's are exported; end on a multiple of "
-            "--local-steps (%d) for the synchronised model",
-            optimizer.position,
-            optimizer.settings.local_steps,
-        )
+    if warning := trainer.method.end_warning():
+        log.warning("%s", warning)
     if config.eval_every == 0 or step % config.eval_every != 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
     if config.checkpoint_every == 0 or step % config.checkpoint_every != 0:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import cast
 
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from torchrun_ddp.build import Trainer, checkpoint_root, tokens_per_step, train_timeout_s
 from torchrun_ddp.checkpoint import (
@@ -27,7 +26,6 @@ from torchrun_ddp.checkpoint import (
     capture_rng_state,
     check_compatible,
     load_checkpoint,
-    load_owned_shards,
     load_rank_states,
     model_fingerprint,
     read_meta,
@@ -39,27 +37,24 @@ from torchrun_ddp.config_checks import global_batch_accumulation
 from torchrun_ddp.distributed import collective_timeout
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import export_final_model, lora_settings
-from torchrun_ddp.optim import DeMo, LocalMomentum, LocalUpdates, RankState, SyncedState
 from torchrun_ddp.training_data import DATA_ORDER, data_position
 
 log = logging.getLogger("torchrun_ddp")
 
 
 def shared_state(trainer: Trainer) -> dict[str, Stateful]:
-    """State that is the same on every rank: model, optimizer (unless ZeRO-1 shards it or it is
-    per rank), learning-rate schedule; under DiLoCo/SparseLoCo the synced parameters, outer
-    momentum and window position (``outer``). Between two syncs the ranks' parameters differ:
-    ``train`` then holds one rank's for each tensor, and ``rank_state`` each rank's own."""
-    per_rank = trainer.config.zero1 or trainer.config.optimizer != "adamw"  # see rank_state
-    optimizer = None if per_rank else trainer.optimizer
+    """State that is the same on every rank: model, optimizer (``Method.shared_optimizer``:
+    unless ZeRO-1 shards it or it is per rank), learning-rate schedule, and the method's own
+    (``Method.shared_state``: DiLoCo's/SparseLoCo's synced parameters, outer momentum and window
+    position). Between two syncs the ranks' parameters differ: ``train`` then holds one rank's
+    for each tensor, and ``rank_state`` each rank's own."""
+    optimizer = trainer.method.shared_optimizer()
     frozen_base = trainer.config.peft != "none"  # rebuilt from --model (and --seed) on resume
-    state: dict[str, Stateful] = {
+    return {
         "train": ModelAndOptimizer(trainer.model, optimizer, trainable_only=frozen_base),
         "scheduler": trainer.scheduler,
+        **trainer.method.shared_state(),
     }
-    if isinstance(trainer.optimizer, LocalUpdates):
-        state["outer"] = SyncedState(trainer.optimizer)
-    return state
 
 
 def several_folders(trainer: Trainer) -> bool:
@@ -68,31 +63,22 @@ def several_folders(trainer: Trainer) -> bool:
 
 
 def rank_state(trainer: Trainer, shards_in_files: bool = False) -> dict[str, Stateful]:
-    """State that differs between ranks: data position, error feedback, ZeRO-1 optimizer shard
-    (its hyperparameters; with ``shards_in_files`` its tensors too, as with several checkpoint
-    folders), DeMo's momentum, DiLoCo/SparseLoCo's inner AdamW state (and local parameters
-    inside a window, and SparseLoCo's error feedback; see ``optim.local_updates``)."""
+    """State that differs between ranks: data position, the comm hook's error feedback, and the
+    method's (``Method.rank_state``: a ZeRO-1 shard, with ``shards_in_files`` its tensors too as
+    with several checkpoint folders; DeMo's momentum; DiLoCo's/SparseLoCo's inner AdamW state)."""
     state: dict[str, Stateful] = {"data": trainer.data, "compression": trainer.compression}
-    if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
-        state["optimizer"] = ShardedOptimizer(trainer.optimizer, trainer.model, shards_in_files)
-    if isinstance(trainer.optimizer, DeMo):  # each rank's momentum is its own
-        state["optimizer"] = LocalMomentum(trainer.optimizer)
-    if isinstance(trainer.optimizer, LocalUpdates):  # each rank's inner AdamW is its own
-        state["optimizer"] = RankState(trainer.optimizer)
-    return state
+    return {**state, **trainer.method.rank_state(trainer.model, shards_in_files)}
 
 
 def sharded_state(trainer: Trainer, shards_in_files: bool = False) -> dict[str, ShardedOptimizer]:
-    """ZeRO-1 optimizer state by parameter, saved through DCP to load at any world size (with
+    """Optimizer state by parameter (ZeRO-1), saved through DCP to load at any world size (with
     ``shards_in_files`` it is per-rank state instead: a storage domain's DCP folder holds only
     its own ranks' shards, so the shards go where buddy copies reach them)."""
-    if shards_in_files or not isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
-        return {}
-    return {"optimizer": ShardedOptimizer(trainer.optimizer, trainer.model)}
+    return trainer.method.sharded_state(trainer.model, shards_in_files)
 
 
 def run_identity(trainer: Trainer) -> dict[str, object]:
-    """What a checkpoint must match to be resumed by this run."""
+    """What a checkpoint must match to be resumed by this run (the method adds its own keys)."""
     config = trainer.config
     identity: dict[str, object] = {
         "model": model_fingerprint(trainer.model),
@@ -109,13 +95,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
         "dataset": [config.dataset, config.dataset_config] if not config.data_files else None,
         "peft": None if config.peft == "none" else dataclasses.asdict(lora_settings(config)),
     }
-    if isinstance(trainer.optimizer, LocalUpdates):  # the outer state's tensors must match
-        identity["outer_momentum"] = bool(trainer.optimizer.settings.outer_momentum)
-        identity["sync_delay"] = trainer.optimizer.settings.sync_delay
-        identity["eager"] = trainer.optimizer.settings.eager
-    if config.optimizer in ("demo", "sparseloco"):  # per-rank shares, an update in flight
-        identity["exchange"] = [config.compression_scope, config.overlap_exchange]
-    return identity
+    return {**identity, **trainer.method.identity()}
 
 
 def save(trainer: Trainer) -> Path:
@@ -168,10 +148,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     if plan.path is None:
         return
     path = Path(plan.path)
-    saved = read_meta(path)
-    saved.setdefault("exchange", ["global", False])  # checkpoints from before the option
-    saved.setdefault("sync_delay", 0)
-    saved.setdefault("eager", False)
+    saved = {**trainer.method.identity_defaults(), **read_meta(path)}
     check_compatible(saved, run_identity(trainer))
     same_layout = adapt_to_world_size(trainer, saved)
     in_files = bool(saved.get("zero1_in_rank_files"))
@@ -230,11 +207,8 @@ def rebuild_own_state(trainer: Trainer, path: Path) -> None:
     reset = ["RNGs seeded from (seed, step, rank)"]
     if trainer.compression.load_resharded(cast(Mapping, entry)):
         reset.append("error feedback reset to zero")
-    if isinstance(trainer.optimizer, DeMo):
-        donor = load_rank_states(path, "optimizer", donors)[0] if donors else None
-        lrs = [float(lr) for lr in trainer.scheduler.get_last_lr()]
-        LocalMomentum(trainer.optimizer).load_reset(cast(Mapping | None, donor), lrs)
-        reset.append("DeMo momentum reset to zero")
+    lrs = [float(lr) for lr in trainer.scheduler.get_last_lr()]
+    reset += trainer.method.rebuild_rank_state(path, donors, lrs)
     seed_rng(f"{config.seed}:{step}:{env.rank}")
     log.warning(
         "rank %d: no checkpoint folder holds its own state of step %d; rebuilt: data position "
@@ -308,29 +282,5 @@ def resume_resharded(
     dropped = trainer.compression.load_resharded(cast(Mapping, entry))
     if dropped:
         log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
-    if isinstance(trainer.optimizer, DeMo):  # per-rank momentum: W' ranks cannot share W's
-        log.warning(
-            "DeMo momentum (and an --overlap-exchange update in flight) saved at another world "
-            "size is reset to zero"
-        )
-    elif isinstance(trainer.optimizer, LocalUpdates):  # its synced state loaded with the shared
-        resume_local_updates(trainer.optimizer, trainer.env.rank, path)
-    elif isinstance(trainer.optimizer, ZeroRedundancyOptimizer):  # hyperparameters, as rank 0's
-        sharded = ShardedOptimizer(trainer.optimizer, trainer.model)
-        sharded.load_state_dict(cast(Mapping, load_rank_states(path, "optimizer", [0])[0]))
-        if saved.get("zero1_in_rank_files"):
-            load_owned_shards(path, sharded)
+    trainer.method.load_resharded(trainer.model, path, trainer.env.rank)
     seed_rng(f"{trainer.config.seed}:{trainer.step}:{trainer.env.rank}")
-
-
-def resume_local_updates(optimizer: LocalUpdates, rank: int, path: Path) -> None:
-    """DiLoCo/SparseLoCo at another world size: the synced parameters, outer momentum and window
-    position were loaded with the shared state; new rank ``r`` takes old rank ``r mod W_old``'s
-    inner AdamW state, and what cannot carry over is dropped with a warning (see
-    ``RankState.load_resharded``)."""
-    old_rank = rank % int(read_meta(path)["world_size"])
-    saved = load_rank_states(path, "optimizer", [old_rank])[0]
-    dropped = RankState(optimizer).load_resharded(cast(Mapping[str, object], saved))
-    log.warning("local updates at another world size: inner AdamW state of old rank %d", old_rank)
-    for line in dropped:
-        log.warning("local updates at another world size: dropped %s", line)

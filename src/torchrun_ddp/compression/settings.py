@@ -67,11 +67,13 @@ def validate_settings(settings: CompressionSettings) -> None:
         )
     if not 0.0 < settings.ratio <= 1.0:
         raise ValueError(
-            f"compression ratio must be in (0, 1], got {settings.ratio}; "
+            f"--compression-ratio must be in (0, 1], got {settings.ratio}; "
             "e.g. 0.25 sends a quarter of the DCT coefficients"
         )
     if settings.block_size < 2:
-        raise ValueError(f"block_size must be at least 2, got {settings.block_size}; try 64")
+        raise ValueError(
+            f"--compression-block-size (block_size) must be >= 2, got {settings.block_size}; try 64"
+        )
     if not 1 <= settings.topk <= settings.block_size:
         raise ValueError(
             f"topk must be between 1 and block_size ({settings.block_size}), got "

@@ -76,14 +76,16 @@ class DemoSettings:
 def validate_demo(settings: DemoSettings) -> None:
     """Raise ``ValueError`` with a one-line message naming the bad field and the fix."""
     if not 0.0 <= settings.beta < 1.0:
-        raise ValueError(f"DeMo beta must be in [0, 1), got {settings.beta}; the paper uses 0.999")
+        raise ValueError(
+            f"--demo-beta must be in [0, 1), got {settings.beta}; the paper uses 0.999"
+        )
     if settings.topk < 1:
-        raise ValueError(f"DeMo topk must be >= 1, got {settings.topk}; the paper uses 32")
+        raise ValueError(f"--demo-topk must be >= 1, got {settings.topk}; the paper uses 32")
     if settings.tile < 2:
-        raise ValueError(f"DeMo tile size must be >= 2, got {settings.tile}; the paper uses 64")
+        raise ValueError(f"--demo-tile-size must be >= 2, got {settings.tile}; the paper uses 64")
     if settings.value_dtype not in TOPK_VALUE_DTYPES:
         raise ValueError(
-            f"unknown DeMo value dtype {settings.value_dtype!r}; "
+            f"unknown --demo-value-dtype {settings.value_dtype!r}; "
             f"use one of {', '.join(TOPK_VALUE_DTYPES)}"
         )
 

@@ -7,7 +7,9 @@ memory and FLOP plan, full fine-tuning and LoRA), ``fit`` (setting changes that 
 fit, plans side by side), ``communication`` (every method's wire bytes, link time and state
 memory: DDP's comm hooks, DeMo, DiLoCo, SparseLoCo; the bandwidth model),
 ``local_update_memory`` (the memory rows DiLoCo and SparseLoCo add) and ``dry_run`` (the
-``--dry-run`` report and ``check_fits``, which refuses a run that does not fit).
+``--dry-run`` report and ``check_fits``, which refuses a run that does not fit; it asks the
+training method, ``methods``, for the method's rows, so import it as ``plan.dry_run``: the
+package itself exports only the calculators, which ``methods`` builds on).
 
 Imports: ``config``, ``distributed`` (its environment type), ``errors``, ``model`` (loading a
 model's config, LoRA on the meta model, precision dtypes), and the settings and wire sizes of
@@ -19,11 +21,8 @@ from torchrun_ddp.plan.architecture import (
     model_flops_per_token,
     parameter_count,
 )
-from torchrun_ddp.plan.dry_run import check_fits, dry_run
 
 __all__ = [
-    "check_fits",
-    "dry_run",
     "matmul_parameter_count",
     "model_flops_per_token",
     "parameter_count",

@@ -33,28 +33,15 @@ class CheckpointSizes:
 
 
 def checkpoint_sizes(
-    config: TrainConfig, parameters: int, trained: int, world_size: int, hook_state: int
+    config: TrainConfig, parameters: int, trained: int, optimizer: int, per_rank: int
 ) -> CheckpointSizes:
     """The bytes a checkpoint of this run takes: ``parameters`` in the model, ``trained`` of
-    them trained (the adapters under LoRA), ``hook_state`` bytes of comm-hook state per rank
-    (``communication.state_bytes``' persistent part)."""
+    them trained (the adapters under LoRA), ``optimizer`` bytes of replicated optimizer state and
+    ``per_rank`` bytes of each rank's own (``methods.Method.checkpoint_bytes``, plus the comm
+    hook's persistent state: ``communication.state_bytes``)."""
     weight = PRECISION_DTYPES[config.precision].itemsize
-    moments = 2 * weight * trained  # AdamW's exp_avg and exp_avg_sq, in the weights' dtype
-    lora = config.peft != "none"
-    model = trained * FP32 if lora else parameters * weight
-    replicated, own = model, hook_state
-    if config.optimizer == "adamw" and config.zero1:
-        own += moments // world_size
-    elif config.optimizer == "adamw":
-        replicated += moments
-    elif config.optimizer == "demo":
-        own += trained * FP32
-    else:
-        outer = FP32 * trained if config.optimizer == "diloco" and config.outer_momentum else 0
-        replicated += FP32 * trained + outer
-        error = FP32 * trained if config.optimizer == "sparseloco" else 0
-        own += moments + error + weight * trained
-    return CheckpointSizes(replicated, own)
+    model = trained * FP32 if config.peft != "none" else parameters * weight
+    return CheckpointSizes(model + optimizer, per_rank)
 
 
 def checkpoint_table(sizes: CheckpointSizes, config: TrainConfig, world: int, per_node: int) -> str:

@@ -16,27 +16,17 @@ import math
 import torch
 from transformers import PretrainedConfig
 
-from torchrun_ddp.compression import (
-    TOPK_VALUE_DTYPES,
-    compression_settings,
-    diloco_payload_bytes,
-    sparseloco_payload_bytes,
-)
+from torchrun_ddp.compression import compression_settings
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.methods import Method, PlanSizes, method_for
 from torchrun_ddp.model import (
     PRECISION_DTYPES,
     apply_lora,
     load_model_config,
     lora_settings,
 )
-from torchrun_ddp.optim import (
-    LOCAL_UPDATE_METHODS,
-    PSEUDO_GRADIENT_DTYPES,
-    local_update_settings,
-)
-from torchrun_ddp.optim import describe as describe_local_updates
 from torchrun_ddp.plan.architecture import (
     llama2_7b_config,
     matmul_parameter_count,
@@ -49,14 +39,11 @@ from torchrun_ddp.plan.communication import (
     CommEstimate,
     Topology,
     communication_table,
-    demo_estimate,
-    estimate,
-    local_update_estimates,
     reference_methods,
     state_bytes,
 )
 from torchrun_ddp.plan.fit import suggestions
-from torchrun_ddp.plan.local_update_memory import MemoryRow, memory_rows
+from torchrun_ddp.plan.local_update_memory import MemoryRow
 from torchrun_ddp.plan.memory import MemoryPlan, PlanSettings, plan_memory
 
 log = logging.getLogger("torchrun_ddp")
@@ -155,32 +142,43 @@ def checkpoint_plan(config: TrainConfig, plan: MemoryPlan, shapes: list[tuple[in
     world = plan.settings.world_size
     per_node = min(config.plan_gpus_per_node, world)
     trained = sum(math.prod(shape) for shape in shapes)
-    hook = 0
-    if config.optimizer == "adamw":
-        hook, _ = state_bytes(compression_settings(config), [trained], world, 0)
-    sizes = checkpoint_sizes(config, plan.parameters, trained, world, hook)
+    hook, _ = state_bytes(compression_settings(config), [trained], world, 0)  # 0: no hook
+    weight = PRECISION_DTYPES[config.precision].itemsize  # saved moments: the weights' dtype
+    sizes = dataclasses.replace(
+        plan_sizes(config, shapes, plan.parameters, world), weight_bytes=weight
+    )
+    optimizer = method_for(config).checkpoint_bytes(sizes)
+    replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook
+    sizes = checkpoint_sizes(config, plan.parameters, trained, replicated, per_rank)
     return checkpoint_table(sizes, config, world, per_node)
+
+
+def plan_sizes(
+    config: TrainConfig, shapes: list[tuple[int, ...]], parameters: int, world_size: int
+) -> PlanSizes:
+    """The sizes a method's plan rows come from: the trained parameters of ``shapes`` (LoRA
+    adapters stay fp32), ``parameters`` in the model, ``world_size`` ranks."""
+    lora = config.peft != "none"
+    dtype = torch.float32 if lora else PRECISION_DTYPES[config.precision]
+    trained = sum(math.prod(shape) for shape in shapes)
+    return PlanSizes(trained, parameters, dtype.itemsize, world_size, tuple(shapes))
 
 
 def local_update_memory(
     config: TrainConfig, model_config: PretrainedConfig, world_size: int
 ) -> list[MemoryRow]:
-    """What --optimizer diloco|sparseloco adds per rank (``local_update_memory.memory_rows``); empty
-    for other optimizers. ``plan_run`` counts the persistent rows as compression state and the
-    sync's temporaries as compression buffers: those peak at the end of backward, with the
-    gradients and one layer's activations alive, which bounds the sync (in the optimizer step,
-    with the gradients alive) from above."""
-    if config.optimizer not in LOCAL_UPDATE_METHODS:
-        return []
+    """What the method adds per rank beyond weights, gradients and optimizer state
+    (``Method.memory_rows``: DiLoCo's and SparseLoCo's). ``plan_run`` counts the persistent rows
+    as compression state and the sync's temporaries as compression buffers: those peak at the
+    end of backward, with the gradients and one layer's activations alive, which bounds the
+    sync (in the optimizer step, with the gradients alive) from above."""
     shapes = trained_shapes(config, model_config)
-    lora = config.peft != "none"  # LoRA adapters stay fp32
-    dtype = torch.float32 if lora else PRECISION_DTYPES[config.precision]
-    return memory_rows(local_update_settings(config), shapes, world_size, dtype.itemsize)
+    return method_for(config).memory_rows(plan_sizes(config, shapes, 0, world_size))
 
 
 def local_update_memory_table(rows: list[MemoryRow], config: TrainConfig) -> str:
     """The rows of :func:`local_update_memory` as a Markdown table in GiB per rank."""
-    title = describe_local_updates(local_update_settings(config))
+    title = method_for(config).describe()
     lines = [f"| {title}: extra memory (in the plan above) | GiB per rank |", "|---|---:|"]
     for row in rows:
         kind = "kept" if row.persistent else "during a sync"
@@ -212,10 +210,9 @@ def communication_plan(
     tokens = config.batch_size * config.seq_length * config.accumulation_steps
     compute_s = tokens * flops_per_token / (config.plan_tflops * 1e12)
     sizes = [math.prod(shape) for shape in shapes]
-    methods = reference_methods(config.compression_block_size)
-    first = optimizer_rows(config, shapes, topo)
-    if config.optimizer == "adamw":
-        methods = [compression_settings(config), *methods]
+    method = method_for(config)
+    methods = [*method.plan_hooks(), *reference_methods(config.compression_block_size)]
+    first = method.communication_rows(shapes, topo)
     header = (
         f"communication plan: {world} ranks = {topo.nodes} node(s) x {per_node}, links "
         f"{config.plan_intra_node_gbit:g} Gbit/s in a node, {config.plan_inter_node_gbit:g} "
@@ -228,69 +225,14 @@ def communication_plan(
     return "\n".join([header, table])
 
 
-def optimizer_rows(
-    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology
-) -> list[tuple[str, CommEstimate]]:
-    """The communication plan's rows for an optimizer that communicates itself: DeMo's
-    all-gather (``plan.demo_estimate``), or DiLoCo's / SparseLoCo's sync and its share of a step
-    (``plan.local_update_estimates``) followed by DeMo at its defaults (k 32, 64 x 64 tiles,
-    bf16) for comparison; none for AdamW (its --compression leads the table instead)."""
-    if config.optimizer == "adamw":
-        return []
-    if config.optimizer == "demo":
-        return demo_rows(config, shapes, topo)
-    settings = local_update_settings(config)
-    if settings.method == "diloco":
-        dtype = PSEUDO_GRADIENT_DTYPES[settings.pseudo_gradient_dtype]
-        collective, payload = "all_reduce", diloco_payload_bytes(sum(map(math.prod, shapes)), dtype)
-    else:
-        collective = "all_gather"
-        payload = sparseloco_payload_bytes(
-            shapes, settings.topk, settings.chunk, settings.quant_bits, settings.quantizer
-        )
-    node_aware = config.compression_scope == "inter-node" and settings.method == "sparseloco"
-    numel = sum(map(math.prod, shapes)) if node_aware else 0
-    sync, per_step = local_update_estimates(
-        collective, payload, settings.local_steps, topo, numel, settings.sync_delay
-    )
-    demo = demo_estimate(shapes, 32, 64, torch.bfloat16, topo)
-    name = describe_local_updates(settings) + (" inter-node" if node_aware else "")
-    return [
-        (f"{name}: one sync", sync),
-        (f"{name}: per step (sync / {settings.local_steps})", per_step),
-        ("demo k=32 tile 64 (default, for comparison)", demo),
-    ]
-
-
 def run_estimate(
-    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology
+    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology, method: Method | None = None
 ) -> CommEstimate:
-    """This run's communication per optimizer step: its --compression's, DeMo's exchange, or
-    DiLoCo's / SparseLoCo's sync shared over its --local-steps (benchmarks compare it with
-    measured step times)."""
-    if config.optimizer == "adamw":
-        sizes, bucket = [math.prod(s) for s in shapes], config.ddp_bucket_cap_mb * 2**20
-        return estimate(compression_settings(config), sizes, topo, shapes, bucket)
-    rows = optimizer_rows(config, shapes, topo)
-    return rows[0][1] if config.optimizer == "demo" else rows[1][1]
-
-
-def demo_rows(
-    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology
-) -> list[tuple[str, CommEstimate]]:
-    """DeMo's rows: the run's own exchange (node-aware with --compression-scope inter-node,
-    overlapped with --overlap-exchange), then the flat and node-aware exchanges it is not."""
-    dtype = TOPK_VALUE_DTYPES[config.demo_value_dtype]
-    base = f"demo k={config.demo_topk} tile {config.demo_tile_size}"
-    own = (config.compression_scope == "inter-node", config.overlap_exchange)
-    rows = []
-    for node_aware, overlap in [own, *[v for v in [(False, False), (True, False)] if v != own]]:
-        name = base + (" inter-node" if node_aware else "") + (" overlapped" if overlap else "")
-        comm = demo_estimate(
-            shapes, config.demo_topk, config.demo_tile_size, dtype, topo, node_aware, overlap
-        )
-        rows.append((name, comm))
-    return rows
+    """This run's communication per optimizer step (``Method.step_estimate``: its
+    --compression's, DeMo's exchange, or DiLoCo's / SparseLoCo's sync shared over its
+    --local-steps; benchmarks compare it with measured step times)."""
+    method = method or method_for(config)
+    return method.step_estimate(shapes, topo, config.ddp_bucket_cap_mb * 2**20)
 
 
 def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv) -> None:

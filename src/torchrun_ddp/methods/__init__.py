@@ -1,0 +1,64 @@
+"""Training methods as objects: one module per method and one table (:data:`METHODS`).
+
+Each method (``base.Method``) owns its settings (one validated section of the config), its build
+(the DDP comm hook and the optimizer), its state in checkpoints (shared, per rank, sharded) with
+the rules for another world size or a lost rank, its identity keys, and its rows in the
+``--dry-run`` plan. ``main``, ``build``, ``training_state`` and ``plan.dry_run`` ask the method
+and never test which one it is. A new method is one module here and one line in :data:`METHODS`.
+
+Modules: ``base`` (the interface), ``exchanging`` (methods whose optimizer exchanges itself),
+``adamw`` (AdamW with the comm-hook family and ZeRO-1), ``demo``, ``local_updates`` (DiLoCo's and
+SparseLoCo's shared base), ``diloco``, ``sparseloco``.
+
+Imports: ``config``, ``errors``, the ``distributed`` types, and the components a method is made
+of: ``compression``, ``optim``, ``checkpoint`` (its state adapters) and ``plan``'s calculators
+(wire bytes, memory rows). Imported by ``config_checks`` and the composing modules.
+"""
+
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.methods.adamw import AdamWMethod
+from torchrun_ddp.methods.base import CheckpointBytes, Method, PlanSizes
+from torchrun_ddp.methods.demo import DeMoMethod
+from torchrun_ddp.methods.diloco import DiLoCoMethod
+from torchrun_ddp.methods.sparseloco import SparseLoCoMethod
+
+METHODS: dict[str, type[Method]] = {
+    AdamWMethod.name: AdamWMethod,
+    DeMoMethod.name: DeMoMethod,
+    DiLoCoMethod.name: DiLoCoMethod,
+    SparseLoCoMethod.name: SparseLoCoMethod,
+}
+"""``--optimizer`` value -> its method class."""
+
+
+def method_for(config: TrainConfig) -> Method:
+    """The method ``config`` chooses (--optimizer), with its settings validated; raises
+    UserError for an unknown name or settings that do not fit together."""
+    method = METHODS.get(config.optimizer)
+    if method is None:
+        raise UserError(
+            f"unknown --optimizer {config.optimizer!r}; use one of {', '.join(METHODS)}"
+        )
+    return method(config)
+
+
+def check_methods(config: TrainConfig) -> None:
+    """Every method's flag checks (``Method.check_config``): ranges whatever --optimizer is,
+    and the chosen method's combinations. Raises UserError, one line naming the flag."""
+    for method in METHODS.values():
+        method.check_config(config)
+
+
+__all__ = [
+    "METHODS",
+    "AdamWMethod",
+    "CheckpointBytes",
+    "DeMoMethod",
+    "DiLoCoMethod",
+    "Method",
+    "PlanSizes",
+    "SparseLoCoMethod",
+    "check_methods",
+    "method_for",
+]

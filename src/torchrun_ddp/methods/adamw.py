@@ -1,0 +1,149 @@
+"""AdamW in DDP with a comm hook (``--compression``: none, bf16, fp16, PowerSGD, ``dct``,
+``dct-topk``), optionally ZeRO-1 (``--zero1``).
+
+DDP averages the gradients in backward through the hook (``compression.register_compression``);
+every rank then steps the same AdamW (Loshchilov & Hutter 2019), whose state is the same on every
+rank and saved once, or with ZeRO-1 (Rajbhandari et al. 2020) sharded over the ranks and saved by
+parameter through DCP so that it loads at any world size.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from torchrun_ddp.checkpoint import (
+    ShardedOptimizer,
+    Stateful,
+    load_owned_shards,
+    load_rank_states,
+    read_meta,
+)
+from torchrun_ddp.compression import (
+    CompressionSettings,
+    CompressionState,
+    compression_settings,
+    register_compression,
+)
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.methods.base import CheckpointBytes, Method, PlanSizes
+from torchrun_ddp.optim import build_optimizer
+from torchrun_ddp.plan.communication import CommEstimate, Topology, estimate, label
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from torchrun_ddp.distributed import NodeGroups
+
+
+class AdamWMethod(Method):
+    """``--optimizer adamw``: DDP's all-reduce through the ``--compression`` comm hook, then AdamW
+    (fused, foreach or for-loop), optionally ZeRO-1. ``hook``: the comm hook's settings."""
+
+    name = "adamw"
+    exchanges_itself = False
+
+    def __init__(self, config: TrainConfig) -> None:
+        super().__init__(config)
+        self.hook: CompressionSettings = compression_settings(config)
+
+    @classmethod
+    def check_config(cls, config: TrainConfig) -> None:
+        """The comm hook's settings (``compression.validate_settings``), whatever --optimizer."""
+        compression_settings(config)
+        if config.overlap_exchange and config.optimizer == cls.name:
+            raise UserError(
+                "--overlap-exchange delays the exchange of --optimizer demo, diloco or "
+                "sparseloco and does nothing for adamw (DDP already overlaps backward); drop it"
+            )
+
+    def register_hook(
+        self, ddp_model: DistributedDataParallel, node_groups: NodeGroups | None
+    ) -> CompressionState:
+        """The ``--compression`` comm hook (``compression.register_compression``)."""
+        return register_compression(ddp_model, self.hook, node_groups=node_groups)
+
+    def build_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
+        """torch's AdamW over two parameter groups (``optim.build_optimizer``), ZeRO-1 with
+        --zero1."""
+        config = self.config
+        return build_optimizer(
+            model,
+            config.learning_rate,
+            config.weight_decay,
+            implementation=config.adamw_implementation,
+            zero1=config.zero1,
+        )
+
+    @property
+    def zero1(self) -> ZeroRedundancyOptimizer | None:
+        """The ZeRO-1 optimizer, or None without --zero1."""
+        optimizer = self.optimizer
+        return optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+
+    def shared_optimizer(self) -> Optimizer | None:
+        """AdamW's state is the same on every rank, unless ZeRO-1 shards it."""
+        return None if self.config.zero1 else self.optimizer
+
+    def rank_state(
+        self, model: DistributedDataParallel, shards_in_files: bool = False
+    ) -> dict[str, Stateful]:
+        """ZeRO-1: this rank's shard (its hyperparameters; with ``shards_in_files``, as with
+        several checkpoint folders, its tensors too)."""
+        sharded = self.zero1
+        if sharded is None:
+            return {}
+        return {"optimizer": ShardedOptimizer(sharded, model, shards_in_files)}
+
+    def sharded_state(
+        self, model: DistributedDataParallel, shards_in_files: bool = False
+    ) -> dict[str, ShardedOptimizer]:
+        """ZeRO-1 state by parameter through DCP, unless it goes in the ranks' files."""
+        sharded = self.zero1
+        if shards_in_files or sharded is None:
+            return {}
+        return {"optimizer": ShardedOptimizer(sharded, model)}
+
+    def rebuild_problem(self) -> str:
+        """A ZeRO-1 shard cannot be rebuilt; AdamW's replicated state needs no rebuilding."""
+        return "a ZeRO-1 optimizer shard cannot be rebuilt" if self.config.zero1 else ""
+
+    def load_resharded(self, model: DistributedDataParallel, path: Path, rank: int) -> None:
+        """ZeRO-1 at another world size: hyperparameters as rank 0's (the tensors came through
+        DCP, or from the ranks' files when a folder per node held them)."""
+        sharded = self.zero1
+        if sharded is None:
+            return
+        adapter = ShardedOptimizer(sharded, model)
+        adapter.load_state_dict(cast("Mapping", load_rank_states(path, "optimizer", [0])[0]))
+        if read_meta(path).get("zero1_in_rank_files"):
+            load_owned_shards(path, adapter)
+
+    def describe(self) -> str:
+        """The comm hook's label, e.g. ``dct 0.25 bf16``."""
+        return label(self.hook)
+
+    def plan_hooks(self) -> list[CompressionSettings]:
+        """The run's --compression leads the communication plan."""
+        return [self.hook]
+
+    def step_estimate(
+        self, shapes: list[tuple[int, ...]], topo: Topology, bucket_bytes: float
+    ) -> CommEstimate:
+        """The comm hook's all-reduce per step (``plan.communication.estimate``)."""
+        sizes = [math.prod(shape) for shape in shapes]
+        return estimate(self.hook, sizes, topo, shapes, bucket_bytes)
+
+    def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
+        """AdamW's two moments in the weights' dtype: replicated, or a 1/W share per rank."""
+        moments = 2 * sizes.weight_bytes * sizes.trained
+        if self.config.zero1:
+            return CheckpointBytes(0, moments // sizes.world_size)
+        return CheckpointBytes(moments, 0)

@@ -1,0 +1,204 @@
+"""What every training method answers, so that the loop, the checkpoint wiring and the plan never
+ask which method a run uses.
+
+A method is one object (:class:`Method`), made from the run's config (:func:`methods.method_for`)
+with its settings validated once. ``build`` registers its DDP comm hook and builds its optimizer;
+after that the object answers for its state in checkpoints (shared, per rank, sharded), its
+identity keys, what happens to its per-rank state at another world size or when no folder holds
+it, and its rows in the ``--dry-run`` plan. The four methods: :mod:`.adamw` (AdamW with the
+comm-hook family and ZeRO-1), :mod:`.demo`, :mod:`.diloco` and :mod:`.sparseloco` (the last two on
+:mod:`.local_updates`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from torchrun_ddp.checkpoint import ShardedOptimizer, Stateful
+from torchrun_ddp.compression import CompressionSettings, CompressionState, register_local_gradients
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.plan.communication import CommEstimate, Topology
+from torchrun_ddp.plan.local_update_memory import MemoryRow
+
+if TYPE_CHECKING:
+    from torchrun_ddp.distributed import NodeGroups
+
+FP32 = 4
+"""Bytes of one fp32 value."""
+
+
+@dataclass(frozen=True)
+class CheckpointBytes:
+    """Bytes of one checkpoint that a method adds: ``replicated`` (in every folder, written once)
+    and ``per_rank`` (one rank's own files)."""
+
+    replicated: int
+    per_rank: int
+
+
+@dataclass(frozen=True)
+class PlanSizes:
+    """The sizes a method's plan rows are computed from: ``trained`` parameters (elements; the
+    adapters under LoRA), ``parameters`` in the model, ``weight_bytes`` per value of the weights'
+    dtype, ``world_size`` ranks, and the trained parameters' ``shapes``."""
+
+    trained: int
+    parameters: int
+    weight_bytes: int
+    world_size: int
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def largest(self) -> int:
+        """Elements of the largest trained parameter."""
+        return max((math.prod(shape) for shape in self.shapes), default=0)
+
+
+class Method:
+    """One training method (subclasses name it in ``name``; ``methods.METHODS`` is the table).
+
+    Made from the run's config; ``build`` then registers the DDP comm hook and builds the
+    optimizer (collective: every rank builds it). Before ``build`` only the settings, the plan
+    and the checks are available. Raises UserError (one line) from the constructor for settings
+    that do not fit together.
+    """
+
+    name: ClassVar[str] = ""
+    """``--optimizer``'s value."""
+    exchanges_itself: ClassVar[bool] = True
+    """The optimizer runs its own exchange: DDP's hook keeps each rank's gradient (or its node's
+    mean) instead of averaging it."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self._optimizer: Optimizer | None = None
+
+    @classmethod
+    def check_config(cls, config: TrainConfig) -> None:
+        """Raise UserError for values of this method's flags out of range (checked whatever
+        --optimizer is, as every flag is) and, when ``config`` chooses this method, for flags that
+        do not go with it. Nothing by default."""
+
+    # -- build ---------------------------------------------------------------------------------
+
+    def register_hook(
+        self, ddp_model: DistributedDataParallel, node_groups: NodeGroups | None
+    ) -> CompressionState:
+        """Register the DDP comm hook on ``ddp_model`` and return the state that counts its wire
+        bytes: by default the hook that keeps each rank's gradient (or its node's mean) for an
+        optimizer that exchanges itself (``compression.register_local_gradients``)."""
+        return register_local_gradients(ddp_model, node_groups=node_groups)
+
+    def build(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
+        """Build and keep this rank's optimizer over ``model``'s trained parameters, counting any
+        exchange's wire bytes in ``compression``. Collective where the optimizer makes a process
+        group."""
+        self._optimizer = self.build_optimizer(model, compression)
+        return self._optimizer
+
+    def build_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
+        """The optimizer itself (each subclass)."""
+        raise NotImplementedError
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer ``build`` made; RuntimeError before it."""
+        if self._optimizer is None:
+            raise RuntimeError(f"the {self.name} method is not built yet: call build() first")
+        return self._optimizer
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def flush(self) -> bool:
+        """Apply an update still in flight (a collective for some); True if there was one."""
+        return False
+
+    def end_warning(self) -> str:
+        """A warning for the end of training ("" for none), e.g. ranks left between syncs."""
+        return ""
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def shared_optimizer(self) -> Optimizer | None:
+        """The optimizer when its whole state is the same on every rank (saved once, with the
+        model, through DCP); None when its state is per rank or sharded."""
+        return None
+
+    def shared_state(self) -> dict[str, Stateful]:
+        """Replicated state beyond the model, the optimizer and the schedule."""
+        return {}
+
+    def rank_state(
+        self, model: DistributedDataParallel, shards_in_files: bool = False
+    ) -> dict[str, Stateful]:
+        """State that differs between ranks (saved in each rank's own files)."""
+        return {}
+
+    def sharded_state(
+        self, model: DistributedDataParallel, shards_in_files: bool = False
+    ) -> dict[str, ShardedOptimizer]:
+        """Optimizer state sharded over ranks and saved through DCP (loads at any world size)."""
+        return {}
+
+    def identity(self) -> dict[str, object]:
+        """The keys, beyond the run's, that a checkpoint must match to be resumed exactly."""
+        return {}
+
+    def identity_defaults(self) -> dict[str, object]:
+        """Values of ``identity`` keys that checkpoints written before the key existed held."""
+        return {}
+
+    def rebuild_problem(self) -> str:
+        """Why a rank's own state cannot be rebuilt when no checkpoint folder holds it ("" when it
+        can: the method's per-rank state restarts from zero)."""
+        return ""
+
+    def rebuild_rank_state(self, path: Path, donors: list[int], lrs: list[float]) -> list[str]:
+        """Continue this rank with its own state of the checkpoint at ``path`` lost (``donors``:
+        ranks whose files the folder holds, at most one; ``lrs``: the schedule's learning rate
+        per parameter group). Returns what was reset, for the warning; nothing by default."""
+        return []
+
+    def load_resharded(self, model: DistributedDataParallel, path: Path, rank: int) -> None:
+        """Per-rank state from the checkpoint at ``path`` written at another world size (the
+        shared and sharded state are loaded already); logs what is dropped."""
+
+    # -- the plan ------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """One line for logs and plan tables."""
+        return self.name
+
+    def plan_hooks(self) -> list[CompressionSettings]:
+        """Comm hooks whose rows lead the communication plan (AdamW's --compression); none for
+        a method that exchanges itself."""
+        return []
+
+    def communication_rows(
+        self, shapes: list[tuple[int, ...]], topo: Topology
+    ) -> list[tuple[str, CommEstimate]]:
+        """The communication plan's first rows for the trained parameters of ``shapes``: the
+        method's own exchange, then what it is compared with. None by default."""
+        return []
+
+    def step_estimate(
+        self, shapes: list[tuple[int, ...]], topo: Topology, bucket_bytes: float
+    ) -> CommEstimate:
+        """This run's communication per optimizer step (benchmarks compare it with measured step
+        times): the first row of ``communication_rows`` by default."""
+        return self.communication_rows(shapes, topo)[0][1]
+
+    def memory_rows(self, sizes: PlanSizes) -> list[MemoryRow]:
+        """What the method holds per rank beyond weights, gradients and optimizer state."""
+        return []
+
+    def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
+        """The bytes the optimizer's state adds to one checkpoint."""
+        raise NotImplementedError

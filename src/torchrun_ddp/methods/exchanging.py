@@ -1,0 +1,51 @@
+"""The base of the methods whose optimizer runs its own exchange (DeMo, DiLoCo, SparseLoCo): DDP
+keeps each rank's gradient, so no comm hook compresses it and ZeRO-1 cannot shard the state.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from torchrun_ddp.compression import CompressionState
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.methods.base import Method
+
+
+class ExchangingMethod(Method):
+    """A method whose optimizer exchanges itself (``exchanges_itself``)."""
+
+    node_aware: bool = True
+    """Whether ``--compression-scope inter-node`` gives it a node-aware exchange."""
+
+    @classmethod
+    def check_exchange(cls, config: TrainConfig) -> None:
+        """Raise UserError for settings an optimizer that communicates itself cannot run with:
+        a comm hook on top, ZeRO-1, or a node-aware scope it has no exchange for."""
+        if config.compression_scope != "global" and not cls.node_aware:
+            raise UserError(
+                f"--compression-scope {config.compression_scope} works with --optimizer adamw, "
+                f"demo or sparseloco, not {cls.name} (its all-reduce needs no node-aware "
+                "exchange); use --compression-scope global"
+            )
+        if config.compression != "none":
+            raise UserError(
+                f"--optimizer {cls.name} does its own communication and cannot run on top of "
+                f"--compression {config.compression}; use --compression none"
+            )
+        if config.zero1:
+            raise UserError(
+                f"--optimizer {cls.name} does not work with --zero1 (ZeRO-1 shards one "
+                "optimizer state over ranks that step the same gradient; here each rank's state "
+                "and update are its own); drop --zero1"
+            )
+
+    def exchange_group(self, compression: CompressionState) -> dist.ProcessGroup | None:
+        """A process group of its own (all ranks; collective: every rank builds it) for a flat
+        exchange that stays in flight across steps (--overlap-exchange), so that the loop's own
+        collectives (the log step's all-reduce, evaluation) do not queue behind it on the same
+        connections; None (the compression state's group) otherwise. Node-aware exchanges
+        already cross the uplinks in their own inter-node group."""
+        if not self.config.overlap_exchange or compression.node_groups is not None:
+            return None
+        return dist.new_group() if dist.is_initialized() else None

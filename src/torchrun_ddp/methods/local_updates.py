@@ -1,0 +1,212 @@
+"""The base of DiLoCo and SparseLoCo as methods: an inner AdamW stepped on each rank's own
+gradient, a sync every ``--local-steps`` (``optim.local_updates``), the synced parameters and
+outer state replicated in checkpoints, each rank's inner state its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from torchrun_ddp.checkpoint import Stateful, load_rank_states, read_meta
+from torchrun_ddp.compression import CompressionState
+from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.methods.base import FP32, CheckpointBytes, PlanSizes
+from torchrun_ddp.methods.exchanging import ExchangingMethod
+from torchrun_ddp.optim import (
+    LocalUpdates,
+    RankState,
+    SyncedState,
+    build_local_updates,
+    build_optimizer,
+    describe,
+    local_update_settings,
+)
+from torchrun_ddp.plan.communication import (
+    CommEstimate,
+    Topology,
+    demo_estimate,
+    local_update_estimates,
+)
+from torchrun_ddp.plan.local_update_memory import MemoryRow, memory_rows
+
+if TYPE_CHECKING:
+    from torchrun_ddp.optim import LocalUpdateSettings
+
+log = logging.getLogger("torchrun_ddp")
+
+
+class LocalUpdatesMethod(ExchangingMethod):
+    """DiLoCo's and SparseLoCo's shared answers; ``settings``: ``optim.LocalUpdateSettings``."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        super().__init__(config)
+        self.settings: LocalUpdateSettings = local_update_settings(config)
+
+    @classmethod
+    def check_config(cls, config: TrainConfig) -> None:
+        """The local-update flags (``check_local_update_flags``) and, when ``config`` chooses
+        this method, what it cannot run with."""
+        check_local_update_flags(config)
+        if config.optimizer == cls.name:
+            cls.check_exchange(config)
+
+    def build_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
+        """The inner AdamW (``optim.build_optimizer``) wrapped by ``optim.build_local_updates``."""
+        config = self.config
+        inner = build_optimizer(
+            model,
+            config.learning_rate,
+            config.weight_decay,
+            implementation=config.adamw_implementation,
+        )
+        log.info("local updates: %s", describe(self.settings))
+        group = self.exchange_group(compression)
+        return build_local_updates(inner, self.settings, compression, group)
+
+    @property
+    def local_updates(self) -> LocalUpdates:
+        """The built optimizer."""
+        return cast("LocalUpdates", self.optimizer)
+
+    def flush(self) -> bool:
+        """Apply an overlapped sync's outer update still pending."""
+        return self.local_updates.flush()
+
+    def end_warning(self) -> str:
+        """Training that ends between two syncs evaluates the ranks' own parameters."""
+        position = self.local_updates.position
+        if not position:
+            return ""
+        return (
+            f"training ends {position} steps after the last sync: the last evaluation averages "
+            "the ranks' own parameters and rank 0's are exported; end on a multiple of "
+            f"--local-steps ({self.settings.local_steps}) for the synchronised model"
+        )
+
+    def shared_state(self) -> dict[str, Stateful]:
+        """The synced parameters, outer state and window position (``optim.SyncedState``)."""
+        return {"outer": SyncedState(self.local_updates)}
+
+    def rank_state(
+        self, model: DistributedDataParallel, shards_in_files: bool = False
+    ) -> dict[str, Stateful]:
+        """Each rank's inner AdamW, local parameters inside a window, error feedback."""
+        return {"optimizer": RankState(self.local_updates)}
+
+    def identity(self) -> dict[str, object]:
+        """The outer state's tensors must match."""
+        settings = self.settings
+        return {
+            "outer_momentum": bool(settings.outer_momentum),
+            "sync_delay": settings.sync_delay,
+            "eager": settings.eager,
+        }
+
+    def identity_defaults(self) -> dict[str, object]:
+        """Checkpoints from before --sync-delay and --eager-updates."""
+        return {"sync_delay": 0, "eager": False}
+
+    def rebuild_problem(self) -> str:
+        """The inner optimizer's state exists nowhere else."""
+        return f"the {self.name} inner optimizer state cannot be rebuilt"
+
+    def load_resharded(self, model: DistributedDataParallel, path: Path, rank: int) -> None:
+        """New rank ``r`` takes old rank ``r mod W_old``'s inner AdamW state; what cannot carry
+        over is dropped with a warning (``optim.RankState.load_resharded``)."""
+        old_rank = rank % int(read_meta(path)["world_size"])
+        saved = load_rank_states(path, "optimizer", [old_rank])[0]
+        dropped = RankState(self.local_updates).load_resharded(cast("Mapping[str, object]", saved))
+        log.warning(
+            "local updates at another world size: inner AdamW state of old rank %d", old_rank
+        )
+        for line in dropped:
+            log.warning("local updates at another world size: dropped %s", line)
+
+    def describe(self) -> str:
+        """``optim.describe``, e.g. ``sparseloco H=15 k=64/4096 2-bit beta 0.95 lr 1``."""
+        return describe(self.settings)
+
+    def sync_payload(self, shapes: list[tuple[int, ...]]) -> tuple[str, float]:
+        """(collective, bytes per rank) of one sync (each subclass)."""
+        raise NotImplementedError
+
+    def node_aware_numel(self, shapes: list[tuple[int, ...]]) -> int:
+        """Trained parameters when the sync is node-aware (``plan.local_update_estimates``)."""
+        return 0
+
+    def communication_rows(
+        self, shapes: list[tuple[int, ...]], topo: Topology
+    ) -> list[tuple[str, CommEstimate]]:
+        """One sync, its share of a step (``plan.local_update_estimates``), then DeMo at its
+        defaults (k 32, 64 x 64 tiles, bf16) for comparison."""
+        settings = self.settings
+        collective, payload = self.sync_payload(shapes)
+        numel = self.node_aware_numel(shapes)
+        sync, per_step = local_update_estimates(
+            collective, payload, settings.local_steps, topo, numel, settings.sync_delay
+        )
+        demo = demo_estimate(shapes, 32, 64, torch.bfloat16, topo)
+        name = self.describe() + (" inter-node" if numel else "")
+        return [
+            (f"{name}: one sync", sync),
+            (f"{name}: per step (sync / {settings.local_steps})", per_step),
+            ("demo k=32 tile 64 (default, for comparison)", demo),
+        ]
+
+    def step_estimate(
+        self, shapes: list[tuple[int, ...]], topo: Topology, bucket_bytes: float
+    ) -> CommEstimate:
+        """The sync's share of one step."""
+        return self.communication_rows(shapes, topo)[1][1]
+
+    def memory_rows(self, sizes: PlanSizes) -> list[MemoryRow]:
+        """``plan.local_update_memory.memory_rows``."""
+        shapes = list(sizes.shapes)
+        return memory_rows(self.settings, shapes, sizes.world_size, sizes.weight_bytes)
+
+    def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
+        """Replicated: the synced fp32 copy. Per rank: the inner moments and, inside a window,
+        the local parameters (the largest case)."""
+        moments = 2 * sizes.weight_bytes * sizes.trained
+        own = moments + sizes.weight_bytes * sizes.trained
+        return CheckpointBytes(FP32 * sizes.trained, own)
+
+
+LOCAL_UPDATE_METHODS = ("diloco", "sparseloco")
+"""The methods on :class:`LocalUpdatesMethod`."""
+
+
+def check_local_update_flags(config: TrainConfig) -> None:
+    """Raise UserError for the flags that only DiLoCo and SparseLoCo use, given with another
+    --optimizer or out of range (checked whatever --optimizer is)."""
+    local = config.optimizer in LOCAL_UPDATE_METHODS
+    if config.sync_delay and not (config.overlap_exchange and local):
+        raise UserError(
+            "--sync-delay sets when an overlapped DiLoCo/SparseLoCo sync lands; use it with "
+            "--optimizer diloco or sparseloco and --overlap-exchange, or drop it"
+        )
+    if config.eager_updates and not (config.overlap_exchange and local):
+        raise UserError(
+            "--eager-updates changes an overlapped DiLoCo/SparseLoCo sync; use it with "
+            "--optimizer diloco or sparseloco and --overlap-exchange, or drop it"
+        )
+    if config.eager_updates and config.compression_scope != "global":
+        raise UserError(
+            "--eager-updates works with --compression-scope global (a node-aware sync's own "
+            "part is split over the node's ranks); use --compression-scope global"
+        )
+    if config.sync_delay < 0:
+        raise UserError(f"--sync-delay must be >= 0 (0: a whole window), got {config.sync_delay}")
+    if config.local_steps < 0 or config.outer_lr < 0 or not 0.0 <= config.outer_momentum < 1.0:
+        raise UserError(
+            f"--local-steps and --outer-lr must be >= 0 (0: the paper's) and --outer-momentum in "
+            f"[0, 1), got {config.local_steps}, {config.outer_lr} and {config.outer_momentum}"
+        )
