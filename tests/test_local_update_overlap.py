@@ -51,6 +51,7 @@ from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv, NodeGroups, new_node_groups
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import start, train
+from torchrun_ddp.methods.local_update_memory import memory_rows
 from torchrun_ddp.optim import (
     LocalUpdates,
     LocalUpdateSettings,
@@ -64,7 +65,6 @@ from torchrun_ddp.plan.communication import (
     local_update_estimates,
     predicted_step_seconds,
 )
-from torchrun_ddp.plan.local_update_memory import memory_rows
 
 WORLD = 2
 SHAPES = [(24, 40), (130,), (7,)]

@@ -46,6 +46,7 @@ from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import start
+from torchrun_ddp.methods.local_update_memory import memory_rows
 from torchrun_ddp.optim import (
     LocalUpdates,
     LocalUpdateSettings,
@@ -61,7 +62,6 @@ from torchrun_ddp.optim.sparseloco_codec import (
     unpack_bits,
 )
 from torchrun_ddp.plan.dry_run import dry_run
-from torchrun_ddp.plan.local_update_memory import memory_rows
 
 WORLD = 2
 SHAPES = [(24, 40), (130,), (7,)]

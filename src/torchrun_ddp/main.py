@@ -54,7 +54,7 @@ from torchrun_ddp.metrics import any_rank, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context
 from torchrun_ddp.plan.dry_run import dry_run
 from torchrun_ddp.training_data import bad_record_count
-from torchrun_ddp.training_state import resume, save, save_final_model
+from torchrun_ddp.training_state import resume, resumed_config, save, save_final_model
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -99,7 +99,8 @@ def start(
     restarted = attempt > 1 or env.restart_count > 0
     storage = detect_checkpoint_storage(config, env)
     plan = agree_on_start(config, env, device, restarted, storage)
-    trainer = build_trainer(config, env, device, inputs, plan.run_id, storage)
+    trained = resumed_config(config, env, plan)  # the resumed shape, before anything is built
+    trainer = build_trainer(trained, env, device, inputs, plan.run_id, storage)
     resume(trainer, plan)
     log.info(
         "attempt %d: ready to train from step %d, %.1f s after the process started",

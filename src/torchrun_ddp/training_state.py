@@ -33,8 +33,9 @@ from torchrun_ddp.checkpoint import (
     save_checkpoint,
     seed_rng,
 )
+from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_checks import global_batch_accumulation
-from torchrun_ddp.distributed import collective_timeout
+from torchrun_ddp.distributed import DistEnv, collective_timeout
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import export_final_model, lora_settings
 from torchrun_ddp.training_data import DATA_ORDER, data_position
@@ -150,7 +151,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     path = Path(plan.path)
     saved = {**trainer.method.identity_defaults(), **read_meta(path)}
     check_compatible(saved, run_identity(trainer))
-    same_layout = adapt_to_world_size(trainer, saved)
+    same_layout = same_data_layout(trainer, saved)
     in_files = bool(saved.get("zero1_in_rank_files"))
     shared, sharded = shared_state(trainer), sharded_state(trainer, in_files)
     group = trainer.storage.group if trainer.storage is not None else None
@@ -217,29 +218,39 @@ def rebuild_own_state(trainer: Trainer, path: Path) -> None:
     )  # fmt: skip
 
 
-def adapt_to_world_size(trainer: Trainer, saved: dict[str, object]) -> bool:
-    """--keep-global-batch: set accumulation so the checkpoint's global batch stays (UserError
-    where the sizes do not divide). Logs the tokens per step when the world size changed.
-    Returns whether each rank's share of the data per step is unchanged (world size,
-    accumulation and micro-batch as saved)."""
+def resumed_config(config: TrainConfig, env: DistEnv, plan: StartPlan) -> TrainConfig:
+    """The config this rank trains with once it resumes ``plan``, decided before anything is
+    built: with --keep-global-batch the accumulation that keeps the checkpoint's global batch at
+    this world size (``config_checks.global_batch_accumulation``; UserError where the sizes do
+    not divide, the same on every rank); ``config`` itself otherwise."""
+    if plan.path is None or not config.keep_global_batch:
+        return config
+    saved = read_meta(Path(plan.path))
+    old_config = cast(Mapping[str, object], saved.get("config") or {})
+    old = int(cast(int, old_config.get("accumulation_steps", config.accumulation_steps)))
+    accumulation = global_batch_accumulation(old, int(saved["world_size"]), env.world_size)
+    return dataclasses.replace(config, accumulation_steps=accumulation)
+
+
+def same_data_layout(trainer: Trainer, saved: Mapping[str, object]) -> bool:
+    """Whether each rank's share of the data per step is unchanged (world size, accumulation and
+    micro-batch as saved). Logs the tokens per step when the world size changed."""
     config, world = trainer.config, trainer.env.world_size
-    old_world = int(saved["world_size"])
-    old_config = saved.get("config") or {}
-    old_accumulation = int(old_config.get("accumulation_steps", config.accumulation_steps))
-    if config.keep_global_batch:
-        accumulation = global_batch_accumulation(old_accumulation, old_world, world)
-        trainer.config = dataclasses.replace(config, accumulation_steps=accumulation)
-        trainer.data.accumulation_steps = accumulation
-        trainer.window.tokens_per_step = tokens_per_step(trainer.config, trainer.env)
-    same = (old_world, old_accumulation, int(old_config.get("batch_size", config.batch_size)))
+    old_world = int(cast(int, saved["world_size"]))
+    old_config = cast(Mapping[str, object], saved.get("config") or {})
+    old_accumulation = int(
+        cast(int, old_config.get("accumulation_steps", config.accumulation_steps))
+    )
+    old_batch = int(cast(int, old_config.get("batch_size", config.batch_size)))
+    same = (old_world, old_accumulation, old_batch)
     if old_world == world:
-        return same == (world, trainer.config.accumulation_steps, config.batch_size)
+        return same == (world, config.accumulation_steps, config.batch_size)
     old_tokens = old_world * config.batch_size * old_accumulation * config.seq_length
     log.warning(
         "world size %d -> %d: tokens per step %d -> %d (world_size x micro-batch %d x "
         "accumulation %d x seq_length %d); the schedule continues by optimizer step",
-        old_world, world, old_tokens, tokens_per_step(trainer.config, trainer.env),
-        config.batch_size, trainer.config.accumulation_steps, config.seq_length,
+        old_world, world, old_tokens, tokens_per_step(config, trainer.env),
+        config.batch_size, config.accumulation_steps, config.seq_length,
     )  # fmt: skip
     return False
 

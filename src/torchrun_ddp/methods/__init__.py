@@ -8,17 +8,18 @@ and never test which one it is. A new method is one module here and one line in 
 
 Modules: ``base`` (the interface), ``exchanging`` (methods whose optimizer exchanges itself),
 ``adamw`` (AdamW with the comm-hook family and ZeRO-1), ``demo``, ``local_updates`` (DiLoCo's and
-SparseLoCo's shared base), ``diloco``, ``sparseloco``.
+SparseLoCo's shared base) with ``local_update_memory`` (their memory rows), ``diloco``,
+``sparseloco``.
 
 Imports: ``config``, ``errors``, the ``distributed`` types, and the components a method is made
-of: ``compression``, ``optim``, ``checkpoint`` (its state adapters) and ``plan``'s calculators
-(wire bytes, memory rows). Imported by ``config_checks`` and the composing modules.
+of: ``compression``, ``optim``, ``checkpoint`` (its state adapters) and ``plan.communication``
+(the link-time calculator). Imported by ``config_checks`` and the composing modules.
 """
 
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.adamw import AdamWMethod
-from torchrun_ddp.methods.base import CheckpointBytes, Method, PlanSizes
+from torchrun_ddp.methods.base import CheckpointBytes, MemoryRow, Method, PlanSizes
 from torchrun_ddp.methods.demo import DeMoMethod
 from torchrun_ddp.methods.diloco import DiLoCoMethod
 from torchrun_ddp.methods.sparseloco import SparseLoCoMethod
@@ -56,6 +57,7 @@ __all__ = [
     "CheckpointBytes",
     "DeMoMethod",
     "DiLoCoMethod",
+    "MemoryRow",
     "Method",
     "PlanSizes",
     "SparseLoCoMethod",

@@ -25,13 +25,22 @@ from torchrun_ddp.checkpoint import ShardedOptimizer, Stateful
 from torchrun_ddp.compression import CompressionSettings, CompressionState, register_local_gradients
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.plan.communication import CommEstimate, Topology
-from torchrun_ddp.plan.local_update_memory import MemoryRow
 
 if TYPE_CHECKING:
     from torchrun_ddp.distributed import NodeGroups
 
 FP32 = 4
 """Bytes of one fp32 value."""
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """One row of the memory a local-update optimizer adds per rank, in bytes; ``persistent``
+    rows live through the run, the others only during a sync (in the optimizer step)."""
+
+    name: str
+    nbytes: int
+    persistent: bool
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from torchrun_ddp.checkpoint import Stateful, load_rank_states, read_meta
 from torchrun_ddp.compression import CompressionState
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.methods.base import FP32, CheckpointBytes, PlanSizes
+from torchrun_ddp.methods.base import FP32, CheckpointBytes, MemoryRow, PlanSizes
 from torchrun_ddp.methods.exchanging import ExchangingMethod
+from torchrun_ddp.methods.local_update_memory import memory_rows
 from torchrun_ddp.optim import (
     LocalUpdates,
     RankState,
@@ -35,7 +36,6 @@ from torchrun_ddp.plan.communication import (
     demo_estimate,
     local_update_estimates,
 )
-from torchrun_ddp.plan.local_update_memory import MemoryRow, memory_rows
 
 if TYPE_CHECKING:
     from torchrun_ddp.optim import LocalUpdateSettings
@@ -168,7 +168,7 @@ class LocalUpdatesMethod(ExchangingMethod):
         return self.communication_rows(shapes, topo)[1][1]
 
     def memory_rows(self, sizes: PlanSizes) -> list[MemoryRow]:
-        """``plan.local_update_memory.memory_rows``."""
+        """``local_update_memory.memory_rows``."""
         shapes = list(sizes.shapes)
         return memory_rows(self.settings, shapes, sizes.world_size, sizes.weight_bytes)
 

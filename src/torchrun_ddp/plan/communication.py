@@ -18,14 +18,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from torchrun_ddp.compression.settings import (
-    POWERSGD_MIN_RATE,
-    TOPK_VALUE_DTYPES,
-    CompressionSettings,
-    keeps_residual,
-    kept_coefficients,
+from torchrun_ddp.compression.cost import (
+    hook_overlaps,
+    hook_payload,
+    label,
+    powersgd_numel,
+    state_bytes,
 )
-from torchrun_ddp.compression.wire import demo_payload_bytes, topk_payload_bytes, wire_bytes
+from torchrun_ddp.compression.settings import CompressionSettings
+from torchrun_ddp.compression.wire import demo_payload_bytes, wire_bytes
+
+__all__ = ["label", "powersgd_numel", "state_bytes"]  # the comm hooks' model, re-exported
 
 FP32 = 4
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -73,65 +76,6 @@ class CommEstimate:
     all-gather is delayed)."""
 
 
-def _value_bytes(settings: CompressionSettings) -> int:
-    return 2 if settings.method in ("fp16", "bf16") else 4
-
-
-def _payload(
-    settings: CompressionSettings, sizes: Sequence[int], shapes: Sequence[tuple[int, ...]] = ()
-) -> tuple[str, float, int]:
-    """(collective, bytes handed to it per step, bytes per value) for the global scope."""
-    method = settings.method
-    numel = sum(sizes)
-    blocks = sum(math.ceil(size / settings.block_size) for size in sizes)
-    value = TOPK_VALUE_DTYPES[settings.topk_value_dtype].itemsize
-    if method == "dct":
-        return "all_reduce", blocks * kept_coefficients(settings) * value, value
-    if method == "dct-topk":
-        dtype = TOPK_VALUE_DTYPES[settings.topk_value_dtype]
-        return (
-            "all_gather",
-            topk_payload_bytes(blocks, settings.topk, settings.block_size, dtype),
-            0,
-        )
-    if method == "powersgd":
-        rank = settings.powersgd_rank
-        values = powersgd_numel(shapes, rank) if shapes else _powersgd_numel(sizes, rank)
-        return "all_reduce", values * FP32, FP32
-    width = _value_bytes(settings)
-    return "all_reduce", numel * width, width
-
-
-def _powersgd_numel(sizes: Sequence[int], rank: int) -> int:
-    """Values PowerSGD all-reduces, approximating every tensor as square-ish (n = sqrt(numel)):
-    P and Q of ``rank`` columns for matrices it compresses, the rest dense. Only an estimate,
-    for callers without the shapes (:func:`powersgd_numel` counts them exactly)."""
-    total = 0
-    for size in sizes:
-        side = math.isqrt(size)
-        r = min(side, rank)
-        total += 2 * side * r if 2 * side * r * 2 < size else size
-    return total
-
-
-def powersgd_numel(shapes: Sequence[tuple[int, ...]], rank: int) -> int:
-    """Values torch's ``powerSGD_hook`` all-reduces per step for parameters of ``shapes``: a
-    tensor viewed as ``[n, m]`` (``n = shape[0]``) with ``r = min(n, m, rank)`` sends P
-    ``[n, r]`` and Q ``[m, r]`` when ``(n + m) r * min_compression_rate < n m``
-    (``POWERSGD_MIN_RATE``), else all of it, as does every 1-D tensor. Vogels et al. 2019,
-    arXiv:1905.13727; the rule is the hook's own."""
-    total = 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        if len(shape) < 2 or not numel:
-            total += numel
-            continue
-        n, m = shape[0], numel // shape[0]
-        r = min(n, m, rank)
-        total += (n + m) * r if (n + m) * r * POWERSGD_MIN_RATE < n * m else numel
-    return total
-
-
 def last_bucket_share(sizes: Sequence[int], bucket_bytes: float = DDP_BUCKET_BYTES) -> float:
     """Share of the fp32 gradient bytes in DDP's last bucket, the one ready only when backward
     ends, so that its communication cannot hide behind backward.
@@ -163,7 +107,7 @@ def estimate(
     """Wire bytes and link time of one step of ``settings`` for parameters of ``sizes`` (element
     counts in ``model.parameters()`` order; ``shapes``, when given, count PowerSGD's factors
     exactly), with DDP buckets of ``bucket_bytes``."""
-    collective, payload, value = _payload(settings, sizes, shapes)
+    collective, payload, value = hook_payload(settings, sizes, shapes)
     per_node, nodes = topo.per_node, topo.nodes
     if settings.scope == "inter-node" and nodes > 1 and per_node > 1:
         fp32_payload = payload / value * FP32
@@ -173,7 +117,7 @@ def estimate(
         uplink = between * per_node
         seconds = inside * 8 / topo.intra_bits_per_s + uplink * 8 / topo.inter_bits_per_s
         return CommEstimate(inside + between, uplink, seconds, overlaps=False)
-    comm = _global(collective, payload, topo, overlaps=settings.method != "powersgd")
+    comm = _global(collective, payload, topo, overlaps=hook_overlaps(settings))
     if not comm.overlaps:
         return comm
     return replace(comm, exposed_s=comm.seconds * last_bucket_share(sizes, bucket_bytes))
@@ -282,34 +226,6 @@ def local_update_estimates(
     return sync, per_step
 
 
-def state_bytes(
-    settings: CompressionSettings, sizes: Sequence[int], world_size: int, bucket_bytes: float
-) -> tuple[int, int]:
-    """(persistent, transient) bytes per rank the comm hook holds beyond DDP's buckets.
-
-    Persistent: the error-feedback residual, an fp32 copy of the gradients (rotating ``dct``,
-    ``dct-topk`` with error feedback) and PowerSGD's error and P/Q memories. Transient, at the
-    end of backward when every bucket's message can be in flight at once: the payloads
-    (``dct-topk``: its own pairs and the ``world_size`` gathered ones), plus one bucket's encode
-    and decode work space (two fp32 bucket-sized blocks). The node-aware scope waits for each
-    bucket, so only one bucket's payload and its padded copy and gathered result are alive.
-    """
-    numel = sum(sizes)
-    persistent = numel * FP32 if keeps_residual(settings) else 0
-    if settings.method == "powersgd":
-        persistent = numel * FP32 + _powersgd_numel(sizes, settings.powersgd_rank) * FP32
-    if settings.method == "none":
-        return persistent, 0
-    collective, payload, _ = _payload(settings, sizes)
-    if collective == "all_gather":
-        payload *= world_size + 1
-    workspace = 2 * bucket_bytes
-    if settings.scope == "inter-node":
-        share = bucket_bytes / max(1.0, numel * FP32)
-        return persistent, int(payload * share + 2 * bucket_bytes + workspace)
-    return persistent, int(payload + workspace)
-
-
 def predicted_step_seconds(comm: CommEstimate, compute_s: float) -> float:
     """Step time: forward plus backward (``compute_s``, backward taken as 2/3 of it, Kaplan et
     al. 2020) and the communication that does not hide behind backward. A hook that returns
@@ -321,24 +237,6 @@ def predicted_step_seconds(comm: CommEstimate, compute_s: float) -> float:
         hideable = comm.seconds - comm.exposed_s
         return compute_s - hidden + max(hidden, hideable) + comm.exposed_s
     return compute_s + comm.seconds
-
-
-def label(settings: CompressionSettings) -> str:
-    """Short name of a setting for tables, e.g. ``dct 0.25 bf16 rotating inter-node``."""
-    parts = [settings.method]
-    if settings.method == "dct":
-        parts.append(f"{settings.ratio:g}")
-    if settings.method == "dct-topk":
-        parts.append(f"k={settings.topk}")
-    if settings.method in ("dct", "dct-topk") and settings.topk_value_dtype != "float32":
-        parts.append({"bfloat16": "bf16", "float16": "fp16"}[settings.topk_value_dtype])
-    if settings.method == "dct" and settings.selection != "low-pass":
-        parts.append(settings.selection)
-    if settings.method == "powersgd":
-        parts.append(f"rank {settings.powersgd_rank}")
-    if settings.scope != "global":
-        parts.append(settings.scope)
-    return " ".join(parts)
 
 
 def reference_methods(block_size: int) -> list[CompressionSettings]:

@@ -3,7 +3,7 @@ fit check that refuses a run that would not fit the device.
 
 Composes the rest of the ``plan`` package: ``architecture`` (meta-device model, sizes, FLOPs),
 ``memory`` (memory rows), ``fit`` (setting changes that fit), ``communication`` (wire bytes and
-link time per method) and ``local_update_memory``; with ``model``'s LoRA on the meta device and
+link time per method); with ``model``'s LoRA on the meta device and
 the methods' settings (``compression``, ``optim``). Nothing is allocated or downloaded.
 """
 
@@ -20,7 +20,7 @@ from torchrun_ddp.compression import compression_settings
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.methods import Method, PlanSizes, method_for
+from torchrun_ddp.methods import MemoryRow, Method, PlanSizes, method_for
 from torchrun_ddp.model import (
     PRECISION_DTYPES,
     apply_lora,
@@ -43,7 +43,6 @@ from torchrun_ddp.plan.communication import (
     state_bytes,
 )
 from torchrun_ddp.plan.fit import suggestions
-from torchrun_ddp.plan.local_update_memory import MemoryRow
 from torchrun_ddp.plan.memory import MemoryPlan, PlanSettings, plan_memory
 
 log = logging.getLogger("torchrun_ddp")

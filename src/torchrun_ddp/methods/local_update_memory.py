@@ -1,16 +1,17 @@
 """Per-rank memory that DiLoCo and SparseLoCo add beyond the inner AdamW, for --dry-run plans.
 
-Rows in bytes, from the parameter shapes and the settings of ``local_updates``; ``dry_run`` prints
-them next to the model's memory plan.
+Rows in bytes, from the parameter shapes and ``optim.LocalUpdateSettings``; the DiLoCo and
+SparseLoCo methods answer ``Method.memory_rows`` with them, and ``plan.dry_run`` prints them next to
+the model's memory plan.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torchrun_ddp.compression.wire import sparseloco_payload_bytes
+from torchrun_ddp.methods.base import MemoryRow
 
 if TYPE_CHECKING:
     from torchrun_ddp.optim.local_updates import LocalUpdateSettings
@@ -18,16 +19,6 @@ if TYPE_CHECKING:
 SPARSELOCO_WORK_COPIES = 5
 """fp32 copies of one parameter alive at once in SparseLoCo's compression: the pseudo-gradient,
 its chunks, their magnitudes for top-k, the sent values scattered back and their join."""
-
-
-@dataclass(frozen=True)
-class MemoryRow:
-    """One row of the memory a local-update optimizer adds per rank, in bytes; ``persistent``
-    rows live through the run, the others only during a sync (in the optimizer step)."""
-
-    name: str
-    nbytes: int
-    persistent: bool
 
 
 def memory_rows(
