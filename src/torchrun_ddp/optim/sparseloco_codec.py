@@ -18,7 +18,7 @@ The decode sums every rank's values in rank order (the same bits on every rank) 
 the number of ranks (``all``, the paper's mean) or, per value, by the ranks that sent it
 (``senders``, Templar's ``scatter_reduce(..., reduce="mean", include_self=False)``); with
 ``clip`` ``median`` each rank's values of a tensor are first scaled down to the median of the
-ranks' norms (Templar's outer step). Used by ``local_updates`` at each SparseLoCo sync.
+ranks' norms (Templar's outer step). Used by ``sparseloco`` at each SparseLoCo sync.
 """
 
 from __future__ import annotations
