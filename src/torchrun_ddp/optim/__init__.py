@@ -2,13 +2,18 @@
 exchanges instead of DDP's gradient all-reduce.
 
 Modules: ``adamw`` (torch's AdamW over two parameter groups, ZeRO-1), ``schedule`` (linear
-warmup, then cosine annealing with warm restarts), ``demo`` (DeMo: momentum top-k per DCT tile,
-its own all-gather, sign step; per-rank momentum as checkpoint state), ``local_updates``
-(DiLoCo and SparseLoCo: an inner AdamW stepped on the local gradient, a sync every
-``--local-steps``), ``sparseloco_codec`` (SparseLoCo's messages: top-k per chunk, quantization,
-bit packing), ``exchange`` (how DeMo's and SparseLoCo's messages travel: flat all-gather or
-node-aware, in flight across steps) and ``local_update_state`` (DiLoCo's and SparseLoCo's
-checkpoint state: synced and per rank).
+warmup, then cosine annealing with warm restarts), ``codecs`` (the tile codec DeMo and SparseLoCo
+share: a parameter cut into tiles, with or without the DCT), ``demo`` (DeMo: momentum top-k per
+DCT tile, its own all-gather, sign step; per-rank momentum as checkpoint state),
+``local_updates`` (what DiLoCo and SparseLoCo share, the base ``LocalUpdates``: an inner AdamW
+stepped on the local gradient, a sync every ``--local-steps``, overlapped and eager syncs),
+``diloco`` (``DiLoCo``: all-reduce of the pseudo-gradient, outer Nesterov SGD), ``sparseloco``
+(``SparseLoCo``: error feedback, top-k per chunk, quantization, all-gather),
+``local_update_config`` (their settings from the run's config, checks, description),
+``sparseloco_codec`` (SparseLoCo's messages: top-k per chunk, quantization, bit packing),
+``exchange`` (how DeMo's and SparseLoCo's messages travel: flat all-gather or node-aware, in
+flight across steps) and ``local_update_state`` (DiLoCo's and SparseLoCo's checkpoint state:
+synced and per rank).
 
 Imports: torch, ``errors``, ``config`` (``local_update_settings`` reads it), the
 ``distributed`` types it is handed, and ``compression`` (the DCT transform and tiles, wire
@@ -23,17 +28,18 @@ from torchrun_ddp.optim.adamw import (
     parameter_groups,
 )
 from torchrun_ddp.optim.demo import DeMo, DemoSettings, LocalMomentum, build_demo, validate_demo
-from torchrun_ddp.optim.local_update_state import RankState, SyncedState
-from torchrun_ddp.optim.local_updates import (
+from torchrun_ddp.optim.diloco import DiLoCo
+from torchrun_ddp.optim.local_update_config import (
     LOCAL_UPDATE_METHODS,
     PSEUDO_GRADIENT_DTYPES,
-    LocalUpdates,
     LocalUpdateSettings,
-    build_local_updates,
     describe,
     local_update_settings,
 )
+from torchrun_ddp.optim.local_update_state import RankState, SyncedState
+from torchrun_ddp.optim.local_updates import LocalUpdates, build_local_updates
 from torchrun_ddp.optim.schedule import build_scheduler
+from torchrun_ddp.optim.sparseloco import SparseLoCo
 
 __all__ = [
     "ADAMW_IMPLEMENTATIONS",
@@ -41,10 +47,12 @@ __all__ = [
     "PSEUDO_GRADIENT_DTYPES",
     "DeMo",
     "DemoSettings",
+    "DiLoCo",
     "LocalMomentum",
     "LocalUpdateSettings",
     "LocalUpdates",
     "RankState",
+    "SparseLoCo",
     "SyncedState",
     "adamw_options",
     "build_demo",

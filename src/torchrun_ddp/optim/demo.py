@@ -43,7 +43,8 @@ from torch.optim import Optimizer
 
 from torchrun_ddp.compression.settings import TOPK_VALUE_DTYPES
 from torchrun_ddp.compression.state import CompressionState
-from torchrun_ddp.compression.transform import dct_basis, index_dtype, tile_shape
+from torchrun_ddp.compression.transform import tile_shape
+from torchrun_ddp.optim.codecs import TileCodec
 from torchrun_ddp.optim.exchange import (
     Counter,
     InFlight,
@@ -90,84 +91,9 @@ def validate_demo(settings: DemoSettings) -> None:
         )
 
 
-@dataclass(frozen=True)
-class TileCodec:
-    """How one parameter maps onto DeMo's DCT tiles, and the transform both ways.
-
-    ``shape``: the parameter's; ``sides``: its tile, ``(r, c)`` or ``(c,)`` (:func:`tile_shape`);
-    ``k``: coefficients sent per tile. Coefficients are [n_tiles, tile_numel] fp32, tiles in
-    row-major order of the tile grid, coefficients row-major inside a tile.
-    """
-
-    shape: tuple[int, ...]
-    sides: tuple[int, ...]
-    k: int
-
-    @property
-    def tile_numel(self) -> int:
-        """Elements per tile."""
-        return math.prod(self.sides)
-
-    @property
-    def n_tiles(self) -> int:
-        """Tiles of the parameter."""
-        return max(1, math.prod(self.shape)) // self.tile_numel
-
-    @property
-    def index_dtype(self) -> torch.dtype:
-        """Dtype of a position inside a tile on the wire (uint8 up to 256 elements, else int16)."""
-        return index_dtype(self.tile_numel)
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """Tiles of ``x`` (the parameter's shape) as rows, [n_tiles, tile_numel], without a
-        transform: a view of ``x`` for 1-D tiles, a copy for 2-D ones."""
-        return self._grid(x).reshape(self.n_tiles, self.tile_numel)
-
-    def join(self, tiles: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`split`: [n_tiles, tile_numel] -> the parameter's shape."""
-        if len(self.sides) == 1:
-            return tiles.reshape(self.shape)
-        r, c = self.sides
-        grid = tiles.reshape(-1, self.shape[-1] // c, r, c)
-        return grid.transpose(1, 2).reshape(self.shape)
-
-    def _grid(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` as [n_tiles, c] (1-D tiles) or [R / r, C / c, r, c] (2-D tiles), a view."""
-        if len(self.sides) == 1:
-            return x.reshape(-1, self.sides[0])
-        r, c = self.sides
-        return x.reshape(-1, r, self.shape[-1] // c, c).transpose(1, 2)
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Tiles of ``x`` (the parameter's shape, fp32) -> DCT coefficients [n_tiles, tile_numel].
-
-        A 2-D tile ``X`` [r, c] becomes ``D_r X D_c^T`` with the orthonormal DCT-II matrices.
-        """
-        if len(self.sides) == 1:
-            (c,) = self.sides
-            return self._grid(x) @ dct_basis(c, x.device).T
-        r, c = self.sides
-        coeffs = dct_basis(r, x.device) @ self._grid(x) @ dct_basis(c, x.device).T
-        return coeffs.reshape(self.n_tiles, self.tile_numel)
-
-    def decode(self, coeffs: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`encode`: [n_tiles, tile_numel] fp32 -> the parameter's shape."""
-        if len(self.sides) == 1:
-            (c,) = self.sides
-            return self.join(coeffs @ dct_basis(c, coeffs.device))
-        r, c = self.sides
-        tiles = coeffs.reshape(-1, self.shape[-1] // c, r, c)
-        values = dct_basis(r, coeffs.device).T @ tiles @ dct_basis(c, coeffs.device)
-        return self.join(values.reshape(self.n_tiles, self.tile_numel))
-
-    @property
-    def value_count(self) -> int:
-        """Coefficients this parameter sends per step: ``n_tiles * k``."""
-        return self.n_tiles * self.k
-
-
 def tile_codec(shape: tuple[int, ...], settings: DemoSettings) -> TileCodec:
-    """The codec of a parameter of ``shape`` under ``settings``."""
+    """The codec of a parameter of ``shape`` under ``settings``: DCT tiles of sides at most
+    ``settings.tile`` (:func:`.transform.tile_shape`), ``k = min(topk, tile elements)``."""
     sides = tile_shape(shape, settings.tile)
     return TileCodec(tuple(shape), sides, min(settings.topk, math.prod(sides)))
 
@@ -184,12 +110,13 @@ class DeMo(Optimizer):
     of that all-gather.
 
     ``node_groups`` (``distributed.new_node_groups``) makes the exchange node-aware
-    (``demo_exchange``): the gradients must then be the node's mean (the hook of
-    :func:`register_local_gradients` with ``node_groups``), and this rank keeps and sends the
-    momentum of its share of the parameters only. ``overlap``: each step starts its exchange
-    and applies the previous step's, so the all-gather runs during the next forward and backward
-    (a one-step-delayed update: the gradient of step t+1 is taken before step t's update is
-    applied); :meth:`flush` applies the last one. Without ``overlap`` the step waits for its own.
+    (``optim.exchange``): the gradients must then be the node's mean (the hook of
+    ``compression.local_gradients.register_local_gradients`` with ``node_groups``), and this
+    rank keeps and sends the momentum of its share of the parameters only. ``overlap``: each
+    step starts its exchange and applies the previous step's, so the all-gather runs during the
+    next forward and backward (a one-step-delayed update: the gradient of step t+1 is taken
+    before step t's update is applied); :meth:`flush` applies the last one. Without ``overlap``
+    the step waits for its own.
 
     State per owned parameter: ``delta`` (the momentum, the parameter's shape, always fp32: in
     bf16, ``0.999 * delta`` would round back to ``delta`` and small ``lr * g`` would round

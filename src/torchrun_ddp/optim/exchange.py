@@ -5,10 +5,11 @@ ranks. A ring all-gather passes ``W - 1`` messages through every link, a node's 
 its bytes grow with the ranks, not with the nodes.
 
 **Node-aware** (``--compression-scope inter-node``): the ranks of a node first average their
-gradients over the fast intra-node links (the DDP comm hook of ``demo.register_local_gradients``),
-so they all hold the node's mean gradient. The trained parameters are split among the node's
-local ranks (:func:`assign_owners`, balanced by message bytes); local rank ``j`` keeps the DeMo
-momentum of its share only and compresses it. Messages cross the uplinks in one all-gather among
+gradients over the fast intra-node links (the DDP comm hook of
+``compression.local_gradients.register_local_gradients``), so they all hold the node's mean
+gradient. The trained parameters are split among the node's local ranks (:func:`assign_owners`,
+balanced by message bytes); local rank ``j`` keeps the DeMo momentum (or SparseLoCo error
+feedback) of its share only and compresses it. Messages cross the uplinks in one all-gather among
 the ranks with local rank ``j`` (one per node, the ``inter`` group of
 ``distributed.new_node_groups``), so each node sends one message per share: its uplink carries
 ``N - 1`` whole-model messages per exchange instead of ``W - 1``. A second all-gather inside

@@ -1,8 +1,10 @@
 """DiLoCo and SparseLoCo checkpoint state: what is shared by all ranks, what is each rank's.
 
-:class:`SyncedState` and :class:`RankState` wrap a :class:`.local_updates.LocalUpdates`. Between
-syncs the local parameters and the inner AdamW moments differ between ranks, and the moments differ
-at a sync too (each rank keeps its own). The project saves model and optimizer as *shared* state
+:class:`SyncedState` and :class:`RankState` wrap a :class:`.local_updates.LocalUpdates`, a
+:class:`.diloco.DiLoCo` or a :class:`.sparseloco.SparseLoCo`: the same keys for both, the error
+feedback empty but for SparseLoCo and the outer momentum empty without one. Between syncs the
+local parameters and the inner AdamW moments differ between ranks, and the moments differ at a
+sync too (each rank keeps its own). The project saves model and optimizer as *shared* state
 through DCP, which writes one rank's copy of a replicated tensor; that would resume every rank with
 one rank's moments and parameters. Two choices were possible: checkpoint only at sync boundaries, or
 save per-rank state. Boundaries alone do not suffice: the inner moments are per rank at a boundary
@@ -98,13 +100,6 @@ def _copy_into(targets: list[torch.Tensor], saved: object) -> None:
             target.copy_(piece)
 
 
-def _share(optimizer: LocalUpdates) -> list[int]:
-    """The tensors (positions) whose error feedback this rank keeps: all of them, or its share
-    when node-aware (``LocalUpdates.owners``)."""
-    mine = optimizer.local_rank
-    return [index for index, owner in enumerate(optimizer.owners) if owner == mine]
-
-
 class RankState:
     """A :class:`LocalUpdates`' per-rank state as per-rank checkpoint state (JSON + tensors,
     nothing pickled): the inner optimizer's ``state_dict`` (parameter positions as string keys),
@@ -133,7 +128,7 @@ class RankState:
             },
             "error_feedback": _indexed(optimizer.error),
             "local": _indexed(trained) if optimizer.position or pending else {},
-            "share": _share(optimizer),
+            "share": optimizer.share(),
             "sync_start": _indexed(pending.start) if pending else {},
             "last_own": _indexed(optimizer.last_own),
         }
@@ -144,7 +139,7 @@ class RankState:
         feedback was kept for another share of the tensors (node-aware SparseLoCo under another
         ranks-per-node layout, or another --compression-scope)."""
         saved_share = state_dict.get("share")
-        if saved_share is not None and saved_share != _share(self.optimizer):
+        if saved_share is not None and saved_share != self.optimizer.share():
             raise ValueError(
                 "the saved SparseLoCo error feedback covers another share of the tensors "
                 "(another --compression-scope or ranks per node); resume with the saved layout"

@@ -1,8 +1,9 @@
 """SparseLoCo's message codec: top-k per chunk, quantization, bit packing and the decode.
 
-A parameter is cut into chunks (DeMo's tiles without the DCT, :func:`chunk_codec`); each chunk
-sends the positions of its ``k`` largest-magnitude values and those values, quantized to ``b``
-bits (Sarfi et al. 2025, arXiv:2508.15706, which uses 2 bits) in one of two ways:
+A parameter is cut into chunks (DeMo's tiles without the DCT: :func:`chunk_codec`, a
+:class:`.codecs.TileCodec`); each chunk sends the positions of its ``k`` largest-magnitude values
+and those values, quantized to ``b`` bits (Sarfi et al. 2025, arXiv:2508.15706, which uses 2
+bits) in one of two ways:
 
 - ``chunk``: one fp32 scale per chunk, the chunk's largest magnitude, levels evenly spaced over
   ``[-scale, scale]`` (``(2 q / (2^b - 1) - 1) * scale``), so the largest value is sent exactly;
@@ -17,7 +18,7 @@ The decode sums every rank's values in rank order (the same bits on every rank) 
 the number of ranks (``all``, the paper's mean) or, per value, by the ranks that sent it
 (``senders``, Templar's ``scatter_reduce(..., reduce="mean", include_self=False)``); with
 ``clip`` ``median`` each rank's values of a tensor are first scaled down to the median of the
-ranks' norms (Templar's outer step). Used by ``local_updates`` at each SparseLoCo sync.
+ranks' norms (Templar's outer step). Used by ``sparseloco`` at each SparseLoCo sync.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from torchrun_ddp.compression.transform import tile_shape
 from torchrun_ddp.compression.wire import SCALE_BYTES, packed_bytes, position_bits
-from torchrun_ddp.optim.demo import TileCodec
+from torchrun_ddp.optim.codecs import TileCodec
 
 RANGE_SIGMAS = 6.0
 """Templar's ``quantization_range``: the statistical quantizer's bins span 6 standard
