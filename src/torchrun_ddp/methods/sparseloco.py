@@ -11,6 +11,7 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import FP32, CheckpointBytes, PlanSizes
 from torchrun_ddp.methods.local_updates import LocalUpdatesMethod
+from torchrun_ddp.optim.local_update_config import settings_from_config, validate_sparseloco_fields
 
 
 class SparseLoCoMethod(LocalUpdatesMethod):
@@ -29,16 +30,10 @@ class SparseLoCoMethod(LocalUpdatesMethod):
                 "it with --optimizer sparseloco, or drop it"
             )
         super().check_config(config)
-        if config.sparseloco_topk < 1 or config.sparseloco_chunk < 2:
-            raise UserError(
-                f"--sparseloco-topk must be >= 1 and --sparseloco-chunk >= 2, got "
-                f"{config.sparseloco_topk} and {config.sparseloco_chunk}"
-            )
-        if not 0.0 <= config.sparseloco_beta < 1.0 or not 0 <= config.quant_bits <= 8:
-            raise UserError(
-                f"--sparseloco-beta must be in [0, 1) and --quant-bits 0 (none) to 8, got "
-                f"{config.sparseloco_beta} and {config.quant_bits}"
-            )
+        try:
+            validate_sparseloco_fields(settings_from_config(config, cls.name))
+        except ValueError as exc:  # raised for values out of range only
+            raise UserError(str(exc)) from exc
 
     def sync_payload(self, shapes: list[tuple[int, ...]]) -> tuple[str, float]:
         """An all-gather of each rank's top-k message."""

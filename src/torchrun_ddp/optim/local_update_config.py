@@ -95,7 +95,7 @@ def validate_local_updates(settings: LocalUpdateSettings) -> None:
             f"unknown pseudo-gradient dtype {settings.pseudo_gradient_dtype!r}; use float32 or "
             "bfloat16"
         )
-    _validate_sparseloco(settings)
+    validate_sparseloco_fields(settings)
     if settings.eager and not settings.sync_delay:
         raise ValueError("eager updates need an overlapped sync (a sync delay of 1 or more)")
     if not 0 <= settings.sync_delay <= settings.local_steps:
@@ -105,15 +105,16 @@ def validate_local_updates(settings: LocalUpdateSettings) -> None:
         )
 
 
-def _validate_sparseloco(settings: LocalUpdateSettings) -> None:
-    """SparseLoCo's fields (checked whatever the method, as the flags are)."""
+def validate_sparseloco_fields(settings: LocalUpdateSettings) -> None:
+    """Raise ``ValueError`` naming the flag for SparseLoCo's fields out of range (checked
+    whatever the method, as the flags are)."""
     if settings.topk < 1 or settings.chunk < 2 or not 0.0 <= settings.beta < 1.0:
         raise ValueError(
-            f"SparseLoCo needs topk >= 1, chunk >= 2 and beta in [0, 1), got {settings.topk}, "
-            f"{settings.chunk} and {settings.beta}"
+            f"--sparseloco-topk must be >= 1, --sparseloco-chunk >= 2 and --sparseloco-beta in "
+            f"[0, 1), got {settings.topk}, {settings.chunk} and {settings.beta}"
         )
     if not 0 <= settings.quant_bits <= MAX_QUANT_BITS:
-        raise ValueError(f"quant bits must be 0 (none) to 8, got {settings.quant_bits}")
+        raise ValueError(f"--quant-bits must be 0 (none) to 8, got {settings.quant_bits}")
     options = (settings.quantizer, settings.aggregate, settings.clip)
     if options not in {(q, a, c) for q in QUANTIZERS for a in AGGREGATES for c in CLIPS}:
         raise ValueError(
@@ -122,13 +123,23 @@ def _validate_sparseloco(settings: LocalUpdateSettings) -> None:
         )
 
 
-def local_update_settings(config: TrainConfig) -> LocalUpdateSettings:
-    """The settings of ``--optimizer diloco|sparseloco`` from the run's config: ``0`` for
-    ``--local-steps`` and ``--outer-lr`` means the method's paper value; SparseLoCo ignores
-    ``--outer-momentum`` (it has none). Raises UserError for values out of range."""
-    method = config.optimizer
+def local_update_settings(config: TrainConfig, method: str = "") -> LocalUpdateSettings:
+    """The settings of ``--optimizer diloco|sparseloco`` (or ``method``) from the run's config:
+    ``0`` for ``--local-steps`` and ``--outer-lr`` means the method's paper value; SparseLoCo
+    ignores ``--outer-momentum`` (it has none). Raises UserError for values out of range."""
+    settings = settings_from_config(config, method or config.optimizer)
+    try:
+        validate_local_updates(settings)
+    except ValueError as exc:  # validate_local_updates raises ValueError for bad settings only
+        raise UserError(f"--optimizer {settings.method}: {exc}") from exc
+    return settings
+
+
+def settings_from_config(config: TrainConfig, method: str) -> LocalUpdateSettings:
+    """``method``'s settings from the run's config, unchecked (``local_update_settings`` checks
+    them)."""
     local_steps = config.local_steps or PAPER_LOCAL_STEPS.get(method, 1)
-    settings = LocalUpdateSettings(
+    return LocalUpdateSettings(
         method=method,
         local_steps=local_steps,
         outer_lr=config.outer_lr or PAPER_OUTER_LR.get(method, 1.0),
@@ -144,11 +155,6 @@ def local_update_settings(config: TrainConfig) -> LocalUpdateSettings:
         clip=config.sparseloco_clip,
         eager=config.eager_updates,
     )
-    try:
-        validate_local_updates(settings)
-    except ValueError as exc:  # validate_local_updates raises ValueError for bad settings only
-        raise UserError(f"--optimizer {method}: {exc}") from exc
-    return settings
 
 
 def describe(settings: LocalUpdateSettings) -> str:
