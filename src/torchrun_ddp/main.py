@@ -53,8 +53,9 @@ from torchrun_ddp.faults import fault_point
 from torchrun_ddp.metrics import any_rank, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context
 from torchrun_ddp.plan.dry_run import dry_run
+from torchrun_ddp.resume import resume, resumed_config
 from torchrun_ddp.training_data import bad_record_count
-from torchrun_ddp.training_state import resume, resumed_config, save, save_final_model
+from torchrun_ddp.training_state import save, save_final_model
 
 log = logging.getLogger("torchrun_ddp")
 

@@ -1,44 +1,33 @@
-"""What a checkpoint holds and how a run resumes from it, at its own or another world size.
+"""What a checkpoint holds, and saving it: the wiring between the trainer's pieces and the
+``checkpoint`` package.
 
-The wiring between the trainer's pieces and the ``checkpoint`` package: which state is the same
-on every rank (model, optimizer, schedule: DCP), which is per rank (data position, error feedback,
-RNG: JSON + safetensors), which is sharded (ZeRO-1 optimizer state by parameter: DCP,
-reshardable), and what a checkpoint must match to be resumed (``run_identity``). Like main.py, it
-composes the components.
+Which state is the same on every rank (model, optimizer, schedule, the method's replicated state:
+DCP), which is per rank (data position, error feedback, RNG, the method's own: JSON +
+safetensors), which is sharded (ZeRO-1 optimizer state by parameter: DCP, reshardable), and what a
+checkpoint must match to be resumed (``run_identity``); the training method (``methods``) answers
+for its part. ``resume`` reads it back. Like main.py, it composes the components.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import cast
 
 import torch.distributed as dist
 
-from torchrun_ddp.build import Trainer, checkpoint_root, tokens_per_step, train_timeout_s
+from torchrun_ddp.build import Trainer, checkpoint_root, train_timeout_s
 from torchrun_ddp.checkpoint import (
     ModelAndOptimizer,
     ShardedOptimizer,
-    StartPlan,
     Stateful,
     capture_rng_state,
-    check_compatible,
-    load_checkpoint,
-    load_rank_states,
     model_fingerprint,
-    read_meta,
-    restore_rng_state,
     save_checkpoint,
-    seed_rng,
 )
-from torchrun_ddp.config import TrainConfig
-from torchrun_ddp.config_checks import global_batch_accumulation
-from torchrun_ddp.distributed import DistEnv, collective_timeout
-from torchrun_ddp.errors import UserError
+from torchrun_ddp.distributed import collective_timeout
 from torchrun_ddp.model import export_final_model, lora_settings
-from torchrun_ddp.training_data import DATA_ORDER, data_position
+from torchrun_ddp.training_data import DATA_ORDER
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -137,161 +126,3 @@ def save_final_model(trainer: Trainer) -> None:
             output, lora = Path(config.output_dir), config.peft == "lora"
             export_final_model(trainer.model.module, trainer.tokenizer, output, lora)
         dist.barrier()
-
-
-def resume(trainer: Trainer, plan: StartPlan) -> None:
-    """Restore the checkpoint that ``plan`` names (every rank agreed on it), if any.
-
-    Raises UserError, before any training state changes, if the checkpoint does not fit this
-    run (model, data stream...). A checkpoint of another world size is resumed too (see
-    ``resume_resharded``).
-    """
-    if plan.path is None:
-        return
-    path = Path(plan.path)
-    saved = {**trainer.method.identity_defaults(), **read_meta(path)}
-    check_compatible(saved, run_identity(trainer))
-    same_layout = same_data_layout(trainer, saved)
-    in_files = bool(saved.get("zero1_in_rank_files"))
-    shared, sharded = shared_state(trainer), sharded_state(trainer, in_files)
-    group = trainer.storage.group if trainer.storage is not None else None
-    own = trainer.env.rank not in plan.lost
-    per_rank = load_checkpoint(path, shared, sharded, reshard=True, group=group, own=own)
-    trainer.step = int(saved["step"])
-    trainer.tokens_seen = int(saved["tokens_seen"])
-    trainer.data_since = saved.get("data_since") if same_layout else trainer.step
-    trainer.segment = plan.segment
-    if int(saved["world_size"]) != trainer.env.world_size:
-        resume_resharded(trainer, path, saved, plan.lost)
-    elif per_rank is None:
-        rebuild_own_state(trainer, path)
-    else:
-        load_rank_state(trainer, per_rank, path, in_files)
-    log.info("resumed from %s at step %d", path, trainer.step)
-
-
-def load_rank_state(
-    trainer: Trainer, per_rank: dict[str, object], path: Path, shards_in_files: bool = False
-) -> None:
-    """This rank's own state from a checkpoint of this world size; a layout that does not fit
-    (e.g. DeMo's per-node shares under another ranks-per-node) is a UserError."""
-    for name, obj in rank_state(trainer, shards_in_files).items():
-        if name != "optimizer":
-            obj.load_state_dict(per_rank[name])
-            continue
-        try:  # DeMo's or SparseLoCo's share of the tensors must be this rank's
-            obj.load_state_dict(per_rank[name])
-        except ValueError as exc:
-            raise UserError(f"cannot resume {path}: {exc}") from exc
-    restore_rng_state(per_rank["rng"])
-
-
-def held_ranks(path: Path) -> list[int]:
-    """The ranks whose own files the checkpoint folder ``path`` holds."""
-    return sorted(int(file.stem.split("-")[1]) for file in path.glob("rank-*.json"))
-
-
-def rebuild_own_state(trainer: Trainer, path: Path) -> None:
-    """This rank's own state when no checkpoint folder holds it (more folders lost than
-    --buddy-copies; ``agreement.rebuild_problem`` allowed it): the data position is replayed
-    from the global document order (exact), the RNGs are seeded from (seed, step, rank), the
-    error feedback restarts from zero (the step count and PowerSGD's shared memories from
-    another rank), and so does DeMo's momentum (its hyperparameters and an update in flight
-    from another rank, or the schedule's learning rate). Warns what was reset."""
-    config, env, step = trainer.config, trainer.env, trainer.step
-    windows = step * config.accumulation_steps * config.batch_size
-    source = trainer.data.source
-    source.load_position(source.windows.replayed(env.rank, env.world_size, windows))
-    trainer.data.restored()
-    donors = held_ranks(path)[:1]
-    entry = load_rank_states(path, "compression", donors)[0] if donors else {"step": step}
-    reset = ["RNGs seeded from (seed, step, rank)"]
-    if trainer.compression.load_resharded(cast(Mapping, entry)):
-        reset.append("error feedback reset to zero")
-    lrs = [float(lr) for lr in trainer.scheduler.get_last_lr()]
-    reset += trainer.method.rebuild_rank_state(path, donors, lrs)
-    seed_rng(f"{config.seed}:{step}:{env.rank}")
-    log.warning(
-        "rank %d: no checkpoint folder holds its own state of step %d; rebuilt: data position "
-        "replayed (exact), %s; the run is no longer bit-identical to an uninterrupted one",
-        env.rank, step, ", ".join(reset),
-    )  # fmt: skip
-
-
-def resumed_config(config: TrainConfig, env: DistEnv, plan: StartPlan) -> TrainConfig:
-    """The config this rank trains with once it resumes ``plan``, decided before anything is
-    built: with --keep-global-batch the accumulation that keeps the checkpoint's global batch at
-    this world size (``config_checks.global_batch_accumulation``; UserError where the sizes do
-    not divide, the same on every rank); ``config`` itself otherwise."""
-    if plan.path is None or not config.keep_global_batch:
-        return config
-    saved = read_meta(Path(plan.path))
-    old_config = cast(Mapping[str, object], saved.get("config") or {})
-    old = int(cast(int, old_config.get("accumulation_steps", config.accumulation_steps)))
-    accumulation = global_batch_accumulation(old, int(saved["world_size"]), env.world_size)
-    return dataclasses.replace(config, accumulation_steps=accumulation)
-
-
-def same_data_layout(trainer: Trainer, saved: Mapping[str, object]) -> bool:
-    """Whether each rank's share of the data per step is unchanged (world size, accumulation and
-    micro-batch as saved). Logs the tokens per step when the world size changed."""
-    config, world = trainer.config, trainer.env.world_size
-    old_world = int(cast(int, saved["world_size"]))
-    old_config = cast(Mapping[str, object], saved.get("config") or {})
-    old_accumulation = int(
-        cast(int, old_config.get("accumulation_steps", config.accumulation_steps))
-    )
-    old_batch = int(cast(int, old_config.get("batch_size", config.batch_size)))
-    same = (old_world, old_accumulation, old_batch)
-    if old_world == world:
-        return same == (world, config.accumulation_steps, config.batch_size)
-    old_tokens = old_world * config.batch_size * old_accumulation * config.seq_length
-    log.warning(
-        "world size %d -> %d: tokens per step %d -> %d (world_size x micro-batch %d x "
-        "accumulation %d x seq_length %d); the schedule continues by optimizer step",
-        old_world, world, old_tokens, tokens_per_step(config, trainer.env),
-        config.batch_size, config.accumulation_steps, config.seq_length,
-    )  # fmt: skip
-    return False
-
-
-def old_data_positions(
-    trainer: Trainer, path: Path, saved: Mapping[str, object], lost: Sequence[int]
-) -> list[Mapping[str, object]]:
-    """Every old rank's data position: saved, or for the ``lost`` ranks replayed at the old
-    world size (``GlobalPackedWindows.replayed``)."""
-    old_world = int(saved["world_size"])
-    old_config = cast(Mapping[str, object], saved.get("config") or {})
-    per_rank = int(old_config["accumulation_steps"]) * int(old_config["batch_size"])
-    windows = trainer.data.source.windows
-    if lost:
-        log.warning(
-            "no checkpoint folder holds the own state of old ranks %s: their data positions "
-            "are replayed from the document order (exact), their other state is dropped",
-            ", ".join(map(str, lost)),
-        )
-    return [
-        windows.replayed(rank, old_world, trainer.step * per_rank)
-        if rank in lost
-        else data_position(load_rank_states(path, "data", [rank])[0])
-        for rank in range(old_world)
-    ]
-
-
-def resume_resharded(
-    trainer: Trainer, path: Path, saved: Mapping[str, object], lost: Sequence[int] = ()
-) -> None:
-    """Per-rank state from a checkpoint of another world size: the data positions of all old
-    ranks (replayed for ``lost`` ones) are re-split among the new ones (every document still
-    trained once), ZeRO-1 and the schedule were loaded by ``load_checkpoint`` (a ZeRO-1 shard
-    in per-rank files is read here), the error-feedback residuals are dropped (with a warning),
-    and the RNGs are seeded from (seed, step, rank)."""
-    trainer.data.source.load_resharded_positions(old_data_positions(trainer, path, saved, lost))
-    trainer.data.restored()
-    donor = min(set(range(int(saved["world_size"]))) - set(lost))
-    entry = load_rank_states(path, "compression", [donor])[0]
-    dropped = trainer.compression.load_resharded(cast(Mapping, entry))
-    if dropped:
-        log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
-    trainer.method.load_resharded(trainer.model, path, trainer.env.rank)
-    seed_rng(f"{trainer.config.seed}:{trainer.step}:{trainer.env.rank}")
