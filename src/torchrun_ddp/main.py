@@ -16,7 +16,10 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
+from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,7 +27,6 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from torchrun_ddp.agreement import agree_on_start, detect_checkpoint_storage
 from torchrun_ddp.build import (
     Inputs,
     Trainer,
@@ -34,7 +36,7 @@ from torchrun_ddp.build import (
     record_data_error,
     train_timeout_s,
 )
-from torchrun_ddp.checkpoint import record_run_id
+from torchrun_ddp.checkpoint import StartFlags, agree_on_start, detect_storage, record_run_id
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_io import save_config
 from torchrun_ddp.distributed import (
@@ -46,13 +48,14 @@ from torchrun_ddp.distributed import (
     set_collective_timeout,
     setup_logging,
     shutdown_distributed,
+    track_group,
 )
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point
-from torchrun_ddp.metrics import any_rank, progress_bar, restart_records
+from torchrun_ddp.metrics import any_rank, check_records, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context
-from torchrun_ddp.optim import DeMo, LocalUpdates
+from torchrun_ddp.optim import LOCAL_UPDATE_METHODS, DeMo, LocalUpdates
 from torchrun_ddp.plan import dry_run
 from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import resume, save, save_final_model
@@ -93,13 +96,26 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
 def start(
     config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs, attempt: int = 1
 ) -> Trainer:
-    """Collective: agree on what to resume, build this rank's trainer and resume it; rank 0 then
-    trims ``metrics.jsonl`` to the resumed step and saves the resolved config. ``attempt`` > 1
-    (or a torchrun restart count above 0) marks a restart of this job, which resumes its own
-    checkpoints even under --no-resume."""
+    """Collective: find the storage domains of --checkpoint-dir, agree on what to resume
+    (``checkpoint.agree_on_start``: one path for a shared folder and a folder per node), build
+    this rank's trainer and resume it; rank 0 then trims ``metrics.jsonl`` to the resumed step
+    and saves the resolved config. ``attempt`` > 1 (or a torchrun restart count above 0) marks a
+    restart of this job, which resumes its own checkpoints even under --no-resume.
+
+    Raises UserError (every rank) for views of --checkpoint-dir that do not form storage
+    domains, and for a start that is refused (see ``checkpoint.agree_on_start``)."""
     restarted = attempt > 1 or env.restart_count > 0
-    storage = detect_checkpoint_storage(config, env)
-    plan = agree_on_start(config, env, device, restarted, storage)
+    root = checkpoint_root(config)
+    timeout = timedelta(seconds=config.timeout_s)
+    storage = detect_storage(
+        root, config.checkpoint_storage, env.local_world_size, config.buddy_copies, timeout
+    )
+    if storage.group is not None:  # the start-up timeout now, the training timeout later
+        track_group(storage.group)
+    metrics = Path(config.output_dir) / "metrics.jsonl"
+    flags = StartFlags(config.resume, config.resume_from, config.overwrite_output_dir, restarted)
+    rebuild = partial(rebuild_problem, config)
+    plan = agree_on_start(root, storage, flags, rebuild, partial(check_records, metrics))
     trainer = build_trainer(config, env, device, inputs, plan.run_id, storage)
     resume(trainer, plan)
     log.info(
@@ -107,14 +123,29 @@ def start(
         attempt, trainer.step, seconds_since_process_start(),
     )  # fmt: skip
     if env.rank == storage.leader:  # every start check has passed: the folder is this run's
-        record_run_id(checkpoint_root(config), plan.run_id)
+        record_run_id(root, plan.run_id)
     if env.is_main:
-        metrics = Path(config.output_dir) / "metrics.jsonl"
         restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
         save_config(config, Path(config.output_dir) / "config.toml")
         if plan.lost:  # counted where the run's metrics go: their own state was rebuilt
             trainer.metrics.log({"step": trainer.step, "rebuilt_ranks": len(plan.lost)})
     return trainer
+
+
+def rebuild_problem(config: TrainConfig, meta: Mapping[str, object]) -> str:
+    """Why a rank's own state of a checkpoint cannot be rebuilt when no folder holds it ("" when
+    it can): its data position is replayed from the global document order (needs the same
+    world size and accumulation since step 0: ``data_since`` 0), its RNGs are seeded from
+    (seed, step, rank), and DeMo momentum and error feedback restart from zero; at another world
+    size the lost old ranks' positions are replayed at the old one. ZeRO-1 optimizer shards and
+    DiLoCo/SparseLoCo inner optimizer state cannot be rebuilt."""
+    if config.zero1:
+        return "a ZeRO-1 optimizer shard cannot be rebuilt"
+    if config.optimizer in LOCAL_UPDATE_METHODS:
+        return f"the {config.optimizer} inner optimizer state cannot be rebuilt"
+    if meta.get("data_since") != 0:
+        return "the data position cannot be replayed (the world size changed during the run)"
+    return ""
 
 
 def train(trainer: Trainer) -> bool:

@@ -1,9 +1,12 @@
-"""Planning a resume with several checkpoint folders (storage domains, see ``storage``): what
-each folder holds, the newest step that every rank can resume, and the files that each folder
-must get from a peer's. Files and JSON only: the collective part is ``recovery``.
+"""Planning a start from the checkpoint folders of a run's storage domains (see ``storage``: one
+for a shared file system, one per node or site otherwise): what each folder holds, the newest
+step that every rank can resume, and the files that each folder must get from a peer's (none
+with one domain). Files and JSON only: the collective part is ``start``.
 
 A domain's leader lists its folder (``inventory``: the run id, every complete step with its
-files and sizes); rank 0 decides from every list (``plan_across``). A step can be resumed when
+files and sizes); rank 0 decides from every list (``plan_across``): resume the newest step
+(--resume), a chosen one (--resume-from), or start a new run (--no-resume, refused in a folder
+that holds another run unless told to overwrite it). A step can be resumed when
 some folder holds it complete (the replicated state) and every rank's own files of it are held by
 some folder (its own, or a buddy copy). The newest such step wins; where none is whole, the
 newest step whose missing per-rank state the caller can rebuild (``Rebuild``) is taken, with the
@@ -31,8 +34,9 @@ from torchrun_ddp.errors import UserError
 log = logging.getLogger("torchrun_ddp")
 
 Inventory = dict[str, object]
-"""One folder's listing (JSON): ``run_id``, ``leftovers`` (any step folder at all), ``steps``
-(``{"<N>": step info}``) and ``resume_from`` (the step info of --resume-from, or None)."""
+"""One folder's listing (JSON): ``root`` (the folder, named in refusals), ``run_id``,
+``leftovers`` (any step folder at all), ``steps`` (``{"<N>": step info}``) and ``resume_from``
+(the step info of --resume-from, or None)."""
 
 StepInfo = dict[str, object]
 """``{"meta": {META_KEYS}, "files": [[path relative to the step folder, bytes], ...]}``."""
@@ -60,6 +64,7 @@ def inventory(root: Path, resume_from: str = "") -> Inventory:
             steps[str(step)] = info
     chosen = Path(resume_from) if resume_from else None
     return {
+        "root": str(root),
         "run_id": read_run_id(root),
         "leftovers": bool(step_dirs(root)),
         "steps": steps,
@@ -102,14 +107,16 @@ def plan_across(
     overwrite: bool,
     rebuild: Rebuild,
 ) -> dict[str, object]:
-    """Rank 0's decision from every domain's ``inventory`` (JSON, broadcast as is):
+    """Rank 0's decision from every domain's ``inventory`` (JSON, broadcast as is; with one
+    domain nothing is copied):
     ``{"plan": StartPlan fields, "delete": bool, "streams": [[src, dst, [[file, bytes]...]]],
     "holders": [domains that keep their own copy], "source": "root" | "resume_from",
     "note": str}``.
 
     Raises UserError when the folders hold different runs, --no-resume meets a run's
-    checkpoints without --overwrite-output-dir, --resume-from is complete in no folder, or no
-    step can be resumed (every reason named)."""
+    checkpoints without --overwrite-output-dir, a checkpoint belongs to another run than its
+    folder, --resume-from is complete in no folder, or no step can be resumed (every reason
+    named)."""
     runs = sorted({str(inv["run_id"]) for inv in inventories if inv["run_id"]})
     if len(runs) > 1:
         raise UserError(
@@ -124,8 +131,23 @@ def plan_across(
     if not candidates:
         return {"plan": {"run_id": existing or new_run_id()}, "delete": False, "streams": []}
     decision = _choose(candidates, layout, key, existing, rebuild)
+    if len(inventories) == 1:
+        decision["note"] = decision["note"].replace(_SEVERAL, _named(inventories))
     decision["plan"]["segment"] = 1 + _last_segment(inventories)
     return decision
+
+
+def _named(inventories: Sequence[Inventory]) -> str:
+    """How a line names the checkpoint folders: ``--checkpoint-dir <root>`` with one domain."""
+    if len(inventories) == 1:
+        return f"--checkpoint-dir {inventories[0]['root']}"
+    return "the --checkpoint-dir folders"
+
+
+def _hold(inventories: Sequence[Inventory]) -> str:
+    """``"--checkpoint-dir <root> holds"`` (one domain) or ``"the --checkpoint-dir folders
+    hold"``."""
+    return _named(inventories) + (" holds" if len(inventories) == 1 else " hold")
 
 
 def _last_segment(inventories: Sequence[Inventory]) -> int:
@@ -142,7 +164,7 @@ def _fresh(
     held = existing is not None or any(inv["leftovers"] for inv in inventories)
     if held and not overwrite:
         raise UserError(
-            f"--no-resume: the --checkpoint-dir folders hold the checkpoints of run "
+            f"--no-resume: {_hold(inventories)} the checkpoints of run "
             f"{existing or '(unnamed)'}, which a new run must not mix with; {OTHER_RUN}"
         )
     return {"plan": {"run_id": new_run_id()}, "delete": held, "streams": []}
@@ -159,14 +181,16 @@ def _candidates(
             meta = info["meta"]
             if existing is not None and (meta.get("run_id") or existing) != existing:
                 raise UserError(
-                    f"checkpoint step {meta['step']} belongs to run {meta['run_id']}, but the "
-                    f"folders hold run {existing}; resume into the checkpoint's own folders"
+                    f"checkpoint step {meta['step']} belongs to run {meta['run_id']}, but "
+                    f"{_hold(inventories)} run {existing}; resume into the checkpoint's own "
+                    "folder, or pass a new --checkpoint-dir"
                 )
             found.setdefault(int(meta["step"]), {})[domain] = info
     if key == "resume_from" and not found:
+        where = ("", "") if len(inventories) == 1 else (" on any node", " that some node holds")
         raise UserError(
-            f"--resume-from {resume_from} is not a complete checkpoint on any node; pass a "
-            "step-N folder that some node holds"
+            f"--resume-from {resume_from} is not a complete checkpoint{where[0]}; pass a "
+            f"complete step-N folder{where[1]}"
         )
     return {step: _newest(found[step]) for step in sorted(found, reverse=True)}
 
@@ -179,6 +203,7 @@ def _newest(holders: dict[int, StepInfo]) -> dict[int, StepInfo]:
     return {domain: info for domain, info in holders.items() if segment[domain] == newest}
 
 
+_SEVERAL = "the nodes' own folders"
 _MORE_COPIES = "keep more copies (--buddy-copies) or start fresh with --no-resume"
 
 
@@ -230,7 +255,7 @@ def _decision(
     existing: str | None,
     reasons: list[str],
 ) -> dict[str, object]:
-    note = f"resuming step {step} from the nodes' own folders"
+    note = f"resuming step {step} from {_SEVERAL}"
     if reasons:
         note += f" ({'; '.join(reasons)})"
     if served.lost:
