@@ -6,16 +6,16 @@ with one domain). Files and JSON only: the collective part is ``start``.
 A domain's leader lists its folder (``inventory``: the run id, every complete step with its
 files and sizes); rank 0 decides from every list (``plan_across``): resume the newest step
 (--resume), a chosen one (--resume-from), or start a new run (--no-resume, refused in a folder
-that holds another run unless told to overwrite it). A step can be resumed when
-some folder holds it complete (the replicated state) and every rank's own files of it are held by
-some folder (its own, or a buddy copy). The newest such step wins; where none is whole, the
-newest step whose missing per-rank state the caller can rebuild (``Rebuild``) is taken, with the
-ranks to rebuild named; else the decision is a one-line refusal. Of two copies of one step, the
-one saved on the newer timeline (a higher ``segment``) counts; a folder with the older copy gets
-the newer one whole.
+that holds another run unless told to overwrite it). A step can be resumed when some folder
+holds it complete (the replicated state) and every rank's own files of it are held by some
+folder (its own, or a buddy copy). The newest such step wins; where none is whole, the newest
+step whose missing per-rank state the caller can rebuild (``Rebuild``) is taken, with the ranks
+to rebuild named; else the decision is a one-line refusal. Of two copies of one step, the one
+saved on the newer timeline (a higher ``segment``) counts; a folder with the older copy gets the
+newer one whole.
 
-Source of the idea: torchft's ``checkpointing/`` (a replica that comes back gets its state from a
-healthy peer, not from shared storage), https://github.com/meta-pytorch/torchft.
+Source of the idea: torchft's ``checkpointing/`` (a replica that comes back gets its state from
+a healthy peer, not from shared storage), https://github.com/meta-pytorch/torchft.
 """
 
 from __future__ import annotations
@@ -130,9 +130,8 @@ def plan_across(
     candidates = _candidates(inventories, key, existing, resume_from)
     if not candidates:
         return {"plan": {"run_id": existing or new_run_id()}, "delete": False, "streams": []}
-    decision = _choose(candidates, layout, key, existing, rebuild)
-    if len(inventories) == 1:
-        decision["note"] = decision["note"].replace(_SEVERAL, _named(inventories))
+    where = _named(inventories) if len(inventories) == 1 else "the nodes' own folders"
+    decision = _choose(candidates, layout, key, existing, rebuild, where)
     decision["plan"]["segment"] = 1 + _last_segment(inventories)
     return decision
 
@@ -203,7 +202,6 @@ def _newest(holders: dict[int, StepInfo]) -> dict[int, StepInfo]:
     return {domain: info for domain, info in holders.items() if segment[domain] == newest}
 
 
-_SEVERAL = "the nodes' own folders"
 _MORE_COPIES = "keep more copies (--buddy-copies) or start fresh with --no-resume"
 
 
@@ -213,15 +211,17 @@ def _choose(
     key: str,
     existing: str | None,
     rebuild: Rebuild,
+    where: str,
 ) -> dict[str, object]:
     """The newest step every rank can resume exactly, else the newest whose lost per-rank
-    state can be rebuilt; the copies it takes and a one-line note."""
+    state can be rebuilt; the copies it takes and a one-line note (``resuming step N from
+    <where>``)."""
     reasons: list[str] = []
     fallback = None
     for step, holders in candidates.items():
         served = _serve(holders, layout, key)
         if not served.lost:
-            return _decision(step, holders, served, key, existing, reasons)
+            return _decision(step, holders, served, key, existing, reasons, where)
         why = rebuild(next(iter(holders.values()))["meta"])
         reasons.append(f"step {step}: the own state of {_ranks(served.lost)} is in no folder")
         if why:
@@ -229,7 +229,7 @@ def _choose(
         elif fallback is None:
             fallback = (step, holders, served)
     if fallback is not None:
-        return _decision(*fallback, key, existing, reasons)
+        return _decision(*fallback, key, existing, reasons, where)
     raise UserError(f"no checkpoint can be resumed: {'; '.join(reasons)}; {_MORE_COPIES}")
 
 
@@ -254,8 +254,9 @@ def _decision(
     key: str,
     existing: str | None,
     reasons: list[str],
+    where: str,
 ) -> dict[str, object]:
-    note = f"resuming step {step} from {_SEVERAL}"
+    note = f"resuming step {step} from {where}"
     if reasons:
         note += f" ({'; '.join(reasons)})"
     if served.lost:
