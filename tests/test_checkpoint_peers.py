@@ -18,6 +18,7 @@ from torchrun_ddp.checkpoint import (
     exchange,
     inventory,
     plan_across,
+    single_layout,
 )
 from torchrun_ddp.checkpoint.storage import _domains
 from torchrun_ddp.errors import UserError
@@ -234,3 +235,28 @@ def test_a_stale_copy_of_a_step_from_an_abandoned_timeline_is_replaced_not_mixed
     assert decision["plan"]["segment"] == 2  # above every timeline in any folder
     [(source, target, files)] = decision["streams"]
     assert (source, target) == (0, 2) and len(files) == 3 + 8  # replicated files and all ranks
+
+
+def test_one_shared_folder_is_one_domain_planned_the_same_way_with_nothing_to_copy(
+    tmp_path: Path,
+) -> None:
+    """A shared --checkpoint-dir takes the same plan: the newest step, no streams, the folder
+    named in the note and in the refusals."""
+    shared = tmp_path / "ckpt"
+    for step in (4, 6):
+        _step(shared, step, [0, 1, 2, 3], segment=step // 2)
+    one = single_layout(4)
+    decision = _plan([shared], one)
+    assert decision["plan"] == {"run_id": "run-a", "step": 6, "lost": [], "segment": 4}
+    assert decision["streams"] == [] and decision["holders"] == [0]
+    assert decision["note"] == f"resuming step 6 from --checkpoint-dir {shared}"
+    older = _plan([shared], one, resume_from=str(shared / "step-4"))
+    assert older["plan"]["step"] == 4 and older["source"] == "resume_from"
+    with pytest.raises(UserError, match=rf"^--no-resume: --checkpoint-dir {shared} holds the"):
+        _plan([shared], one, resume=False)
+    assert _plan([shared], one, resume=False, overwrite=True)["delete"]
+    with pytest.raises(UserError, match=r"is not a complete checkpoint; pass a complete step-N"):
+        _plan([shared], one, resume_from=str(tmp_path / "nowhere"))
+    (shared / "run.json").write_text(json.dumps({"run_id": "run-b"}))
+    with pytest.raises(UserError, match=rf"but --checkpoint-dir {shared} holds run run-b;"):
+        _plan([shared], one)

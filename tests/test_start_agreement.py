@@ -1,10 +1,12 @@
-"""Collective start-up decisions on 2 real gloo ranks (one spawn): rank 0 picks the checkpoint
-to resume and every rank verifies it sees it; every rank evaluates on as many batches."""
+"""Collective start-up decisions on 2 real gloo ranks (one spawn): with one shared folder (one
+storage domain, the same path as a folder per node) rank 0 picks the checkpoint to resume and
+every rank verifies it sees it; every rank evaluates on as many batches."""
 
 from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,12 +15,14 @@ import torch
 from distributed_harness import run_distributed
 from tiny_models import tiny_llama_config
 
-from torchrun_ddp.agreement import agree_on_start
 from torchrun_ddp.build import Inputs, build_eval_set
+from torchrun_ddp.checkpoint import StartFlags, agree_on_start, single_layout
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.evaluation import evaluate
+from torchrun_ddp.main import rebuild_problem
+from torchrun_ddp.metrics import check_records
 from torchrun_ddp.model import build_model, wrap_ddp
 from torchrun_ddp.training_data import load_tokenizer, open_documents
 
@@ -26,10 +30,14 @@ CPU = torch.device("cpu")
 
 
 def _checkpoint(root: Path, step: int, run_id: str = "run-a") -> None:
-    """The files the start-up decision reads: a complete step folder and run.json."""
+    """The files the start-up decision reads: a complete step folder of 2 ranks and run.json."""
     folder = root / f"step-{step}"
     folder.mkdir(parents=True)
-    (folder / "meta.json").write_text(json.dumps({"step": step, "run_id": run_id}))
+    meta = {"step": step, "run_id": run_id, "world_size": 2, "data_since": 0}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    for rank in range(2):
+        (folder / f"rank-{rank}.json").write_text("{}")
+        (folder / f"rank-{rank}.safetensors").write_bytes(b"")
     (folder / "COMPLETE").write_text("")
     (root / "run.json").write_text(json.dumps({"run_id": run_id}))
 
@@ -37,11 +45,15 @@ def _checkpoint(root: Path, step: int, run_id: str = "run-a") -> None:
 def _start(
     rank: int, world_size: int, folder: Path, restarted: bool = False, **options: object
 ) -> object:
-    """agree_on_start with checkpoint_dir "ckpt" relative to ``folder`` (this rank's view)."""
+    """agree_on_start as ``main.start`` calls it for one shared folder, with checkpoint_dir "ckpt"
+    relative to ``folder`` (this rank's view)."""
     os.chdir(folder)
     config = TrainConfig(checkpoint_dir="ckpt", output_dir="out", **options)
+    flags = StartFlags(config.resume, config.resume_from, config.overwrite_output_dir, restarted)
+    rebuild = partial(rebuild_problem, config)
+    check = partial(check_records, Path(config.output_dir) / "metrics.jsonl")
     try:
-        plan = agree_on_start(config, DistEnv(rank=rank, world_size=world_size), CPU, restarted)
+        plan = agree_on_start(Path("ckpt"), single_layout(world_size), flags, rebuild, check)
     except (UserError, RuntimeError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return [plan.path, plan.step, plan.run_id]
@@ -84,7 +96,7 @@ def test_start_is_decided_by_rank_0_and_checked_by_every_rank(
     _checkpoint(tmp_path / "node-1" / "ckpt", 4)  # a stale view: step 8 is missing here
     _checkpoint(tmp_path / "broken" / "ckpt", 3)
     meta = tmp_path / "broken" / "ckpt" / "step-3" / "meta.json"
-    meta.write_text(json.dumps({"step": "three"}))  # a ValueError, not a UserError
+    meta.write_text(json.dumps({"step": "three", "world_size": 2}))  # a ValueError
     long_text = " ".join(f"word{i}" for i in range(40))
     docs = [
         long_text,

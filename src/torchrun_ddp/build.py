@@ -1,8 +1,9 @@
-"""Setting a run up, for ``main``: inputs checked before any process group, the agreement on
-what to resume, the DDP model with its comm hook, and this rank's training and held-out data.
+"""Setting a run up, for ``main``: inputs checked before any process group, the checkpoint
+folders' storage domains, the DDP model with the training method's comm hook and optimizer
+(``methods``), and this rank's training and held-out data.
 
-Like main.py, this module composes the components (model, data, compression, checkpoint,
-metrics); they do not import each other.
+Like main.py, this module composes the components (model, data, methods, checkpoint, metrics);
+they do not import each other.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,10 +26,10 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from torchrun_ddp.checkpoint import StorageLayout, find_latest, read_meta
+from torchrun_ddp.checkpoint import StorageLayout, detect_storage, find_latest, read_meta
 from torchrun_ddp.compression import CompressionState
 from torchrun_ddp.config import TrainConfig
-from torchrun_ddp.distributed import DistEnv, new_node_groups
+from torchrun_ddp.distributed import DistEnv, new_node_groups, track_group
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.lookahead import LookaheadBatches
 from torchrun_ddp.methods import Method, method_for
@@ -255,6 +257,24 @@ def checkpoint_root(config: TrainConfig) -> Path:
     return Path(config.checkpoint_dir or Path(config.output_dir) / "checkpoints")
 
 
+def checkpoint_storage(config: TrainConfig, env: DistEnv) -> StorageLayout:
+    """Collective: the storage domains of --checkpoint-dir (``checkpoint.detect_storage``: which
+    ranks see one folder, a probe at start); their process groups get the start-up timeout now
+    and the training timeout later, like every group of the run. Raises UserError (every rank)
+    for views that do not form storage domains."""
+    timeout = timedelta(seconds=config.timeout_s)
+    storage = detect_storage(
+        checkpoint_root(config),
+        config.checkpoint_storage,
+        env.local_world_size,
+        config.buddy_copies,
+        timeout,
+    )
+    if storage.group is not None:
+        track_group(storage.group)
+    return storage
+
+
 def build_ddp_model(
     config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv, method: Method
 ) -> tuple[torch.nn.Module, DistributedDataParallel, CompressionState]:
@@ -399,7 +419,7 @@ def build_trainer(
 ) -> Trainer:
     """Model in DDP with the method's comm hook and optimizer, schedule, data and metrics for this
     rank;
-    ``storage``: its checkpoint folders (``agreement.detect_checkpoint_storage``)."""
+    ``storage``: its checkpoint folders (``checkpoint_storage``)."""
     method = method_for(config)
     model, ddp_model, compression = build_ddp_model(config, device, inputs, env, method)
     optimizer = method.build(model, compression)

@@ -17,6 +17,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,17 +25,17 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from torchrun_ddp.agreement import agree_on_start, detect_checkpoint_storage
 from torchrun_ddp.build import (
     Inputs,
     Trainer,
     build_trainer,
     checkpoint_root,
+    checkpoint_storage,
     prepare_inputs,
     record_data_error,
     train_timeout_s,
 )
-from torchrun_ddp.checkpoint import record_run_id
+from torchrun_ddp.checkpoint import StartFlags, agree_on_start, record_run_id
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_io import save_config
 from torchrun_ddp.distributed import (
@@ -50,10 +51,10 @@ from torchrun_ddp.distributed import (
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point
-from torchrun_ddp.metrics import any_rank, progress_bar, restart_records
+from torchrun_ddp.metrics import any_rank, check_records, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context
 from torchrun_ddp.plan.dry_run import dry_run
-from torchrun_ddp.resume import resume, resumed_config
+from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
 from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import save, save_final_model
 
@@ -93,13 +94,20 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
 def start(
     config: TrainConfig, env: DistEnv, device: torch.device, inputs: Inputs, attempt: int = 1
 ) -> Trainer:
-    """Collective: agree on what to resume, build this rank's trainer and resume it; rank 0 then
-    trims ``metrics.jsonl`` to the resumed step and saves the resolved config. ``attempt`` > 1
-    (or a torchrun restart count above 0) marks a restart of this job, which resumes its own
-    checkpoints even under --no-resume."""
+    """Collective: find the storage domains of --checkpoint-dir, agree on what to resume
+    (``checkpoint.agree_on_start``: one path for a shared folder and a folder per node), build
+    this rank's trainer and resume it; rank 0 then trims ``metrics.jsonl`` to the resumed step
+    and saves the resolved config. ``attempt`` > 1 (or a torchrun restart count above 0) marks a
+    restart of this job, which resumes its own checkpoints even under --no-resume.
+
+    Raises UserError (every rank) for views of --checkpoint-dir that do not form storage
+    domains, and for a start that is refused (see ``checkpoint.agree_on_start``)."""
     restarted = attempt > 1 or env.restart_count > 0
-    storage = detect_checkpoint_storage(config, env)
-    plan = agree_on_start(config, env, device, restarted, storage)
+    root, storage = checkpoint_root(config), checkpoint_storage(config, env)
+    metrics = Path(config.output_dir) / "metrics.jsonl"
+    flags = StartFlags(config.resume, config.resume_from, config.overwrite_output_dir, restarted)
+    rebuild = partial(rebuild_problem, config)
+    plan = agree_on_start(root, storage, flags, rebuild, partial(check_records, metrics))
     trained = resumed_config(config, env, plan)  # the resumed shape, before anything is built
     trainer = build_trainer(trained, env, device, inputs, plan.run_id, storage)
     resume(trainer, plan)
@@ -108,9 +116,8 @@ def start(
         attempt, trainer.step, seconds_since_process_start(),
     )  # fmt: skip
     if env.rank == storage.leader:  # every start check has passed: the folder is this run's
-        record_run_id(checkpoint_root(config), plan.run_id)
+        record_run_id(root, plan.run_id)
     if env.is_main:
-        metrics = Path(config.output_dir) / "metrics.jsonl"
         restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
         save_config(config, Path(config.output_dir) / "config.toml")
         if plan.lost:  # counted where the run's metrics go: their own state was rebuilt

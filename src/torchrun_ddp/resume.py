@@ -31,6 +31,7 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_checks import global_batch_accumulation
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.methods import method_for
 from torchrun_ddp.training_data import data_position
 from torchrun_ddp.training_state import rank_state, run_identity, sharded_state, shared_state
 
@@ -89,9 +90,24 @@ def held_ranks(path: Path) -> list[int]:
     return sorted(int(file.stem.split("-")[1]) for file in path.glob("rank-*.json"))
 
 
+def rebuild_problem(config: TrainConfig, meta: Mapping[str, object]) -> str:
+    """Why a rank's own state of a checkpoint cannot be rebuilt when no folder holds it ("" when
+    it can; ``checkpoint.agree_on_start`` asks): its data position is replayed from the global
+    document order (needs the same world size and accumulation since step 0: ``data_since`` 0),
+    its RNGs are seeded from (seed, step, rank), the error feedback restarts from zero, and the
+    method says what its own per-rank state needs (``Method.rebuild_problem``: DeMo's momentum
+    restarts from zero; a ZeRO-1 shard and DiLoCo's/SparseLoCo's inner state cannot be rebuilt).
+    At another world size the lost old ranks' positions are replayed at the old one."""
+    if problem := method_for(config).rebuild_problem():
+        return problem
+    if meta.get("data_since") != 0:
+        return "the data position cannot be replayed (the world size changed during the run)"
+    return ""
+
+
 def rebuild_own_state(trainer: Trainer, path: Path) -> None:
     """This rank's own state when no checkpoint folder holds it (more folders lost than
-    --buddy-copies; ``agreement.rebuild_problem`` allowed it): the data position is replayed
+    --buddy-copies; ``rebuild_problem`` allowed it): the data position is replayed
     from the global document order (exact), the RNGs are seeded from (seed, step, rank), the
     error feedback restarts from zero (the step count and PowerSGD's shared memories from
     another rank), and so does DeMo's momentum (its hyperparameters and an update in flight

@@ -6,8 +6,14 @@ One concern per module (they import each other; nothing else in the package does
   ``check_compatible``; what goes through DCP, into JSON and into per-rank files.
 - ``folders``: the ``step-<N>`` layout, atomic publication, the ``COMPLETE`` marker, pruning,
   ``find_latest``, ``read_meta``.
-- ``run_identity``: ``run.json`` and the run id, ``StartPlan``, ``plan_start`` (rank 0 decides
-  what to resume), ``verify_start`` (every rank checks it), ``delete_run``.
+- ``start``: the one start path (``agree_on_start``, collective): every storage domain's folder
+  listed, rank 0's plan (``peers``) broadcast and carried out in every folder (``settle``: newer
+  steps set aside, copies published), every rank's check that it sees the chosen checkpoint
+  (``verify_start``), a failure on one rank told to every rank; ``StartFlags``, ``StartPlan``.
+- ``peers``: the plan (``plan_across``, files and JSON only): each folder's inventory, the step
+  every rank can resume (--resume, --resume-from, --no-resume and another run's folder), the
+  copies that give a folder what it lacks (none with one folder).
+- ``run_identity``: ``run.json`` and the run id, ``delete_run``.
 - ``adapters``: the ``Stateful`` protocol, ``ModelAndOptimizer`` and ``ShardedOptimizer`` (ZeRO-1
   state by parameter name, loadable at any world size), ``model_fingerprint``.
 - ``rng``: capture, restore and seed the global RNGs.
@@ -18,17 +24,18 @@ One concern per module (they import each other; nothing else in the package does
   start), ``StorageLayout`` (leaders, buddy copies, each domain's process group).
 - ``transfer``: files sent between ranks in bounded chunks over the process group, checked with
   SHA-256 (a peer's recovery, buddy copies).
-- ``peers``: with several folders, each folder's inventory and the plan: the step every rank
-  can resume, and the copies that give a folder what it lacks.
-- ``recovery``: the collective start with several folders (``agree_across``): inventories
-  gathered, rank 0's plan carried out in every folder, failures told to every rank.
 
-Callers import from the package: ``from torchrun_ddp.checkpoint import save_checkpoint``.
+Callers import from the package: ``from torchrun_ddp.checkpoint import save_checkpoint``. The
+package imports no other component but ``errors``, ``faults`` (the test-only fault hook) and the
+``torch.distributed`` types it is handed; what the start needs from the rest of the run (the
+checkpoint root, the metrics check, whether lost per-rank state can be rebuilt) ``main`` passes
+in as values and callables.
 
-Folders: with one shared file system (NFS, Lustre, ...) ``root`` is one folder and rank 0
-creates, renames and prunes the step folders that every rank writes into. Across sites or on
-node-local disks each storage domain has its own ``root``, holding a whole checkpoint, and its
-leader does that for it (``storage``, ``peers``).
+Folders: with one shared file system (NFS, Lustre, ...) ``root`` is one folder, one storage
+domain, and rank 0 creates, renames and prunes the step folders that every rank writes into.
+Across sites or on node-local disks each storage domain has its own ``root``, holding a whole
+checkpoint, and its leader does that for it. Either way a start takes the same path
+(``start.agree_on_start``).
 
 Sources: DCP, https://docs.pytorch.org/docs/stable/distributed.checkpoint.html and the recipe
 https://docs.pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html.
@@ -43,18 +50,13 @@ from torchrun_ddp.checkpoint.adapters import (
 from torchrun_ddp.checkpoint.folders import MARKER, find_latest, read_meta
 from torchrun_ddp.checkpoint.peers import inventory, plan_across
 from torchrun_ddp.checkpoint.ranks import all_gather_json, broadcast_json
-from torchrun_ddp.checkpoint.recovery import agree_across
 from torchrun_ddp.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
 from torchrun_ddp.checkpoint.run_identity import (
     RUN_FILE,
-    StartPlan,
-    check_start,
     delete_run,
     new_run_id,
-    plan_start,
     read_run_id,
     record_run_id,
-    verify_start,
     write_run_id,
 )
 from torchrun_ddp.checkpoint.save_load import (
@@ -63,6 +65,13 @@ from torchrun_ddp.checkpoint.save_load import (
     load_owned_shards,
     load_rank_states,
     save_checkpoint,
+)
+from torchrun_ddp.checkpoint.start import (
+    StartFlags,
+    StartPlan,
+    agree_on_start,
+    check_start,
+    verify_start,
 )
 from torchrun_ddp.checkpoint.storage import (
     STORAGE_MODES,
@@ -79,11 +88,12 @@ __all__ = [
     "ModelAndOptimizer",
     "Moved",
     "ShardedOptimizer",
+    "StartFlags",
     "StartPlan",
     "Stateful",
     "StorageLayout",
     "Stream",
-    "agree_across",
+    "agree_on_start",
     "all_gather_json",
     "broadcast_json",
     "capture_rng_state",
@@ -100,7 +110,6 @@ __all__ = [
     "model_fingerprint",
     "new_run_id",
     "plan_across",
-    "plan_start",
     "read_meta",
     "read_run_id",
     "record_run_id",

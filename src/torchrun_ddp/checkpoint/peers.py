@@ -1,18 +1,21 @@
-"""Planning a resume with several checkpoint folders (storage domains, see ``storage``): what
-each folder holds, the newest step that every rank can resume, and the files that each folder
-must get from a peer's. Files and JSON only: the collective part is ``recovery``.
+"""Planning a start from the checkpoint folders of a run's storage domains (see ``storage``: one
+for a shared file system, one per node or site otherwise): what each folder holds, the newest
+step that every rank can resume, and the files that each folder must get from a peer's (none
+with one domain). Files and JSON only: the collective part is ``start``.
 
 A domain's leader lists its folder (``inventory``: the run id, every complete step with its
-files and sizes); rank 0 decides from every list (``plan_across``). A step can be resumed when
-some folder holds it complete (the replicated state) and every rank's own files of it are held by
-some folder (its own, or a buddy copy). The newest such step wins; where none is whole, the
-newest step whose missing per-rank state the caller can rebuild (``Rebuild``) is taken, with the
-ranks to rebuild named; else the decision is a one-line refusal. Of two copies of one step, the
-one saved on the newer timeline (a higher ``segment``) counts; a folder with the older copy gets
-the newer one whole.
+files and sizes); rank 0 decides from every list (``plan_across``): resume the newest step
+(--resume), a chosen one (--resume-from), or start a new run (--no-resume, refused in a folder
+that holds another run unless told to overwrite it). A step can be resumed when some folder
+holds it complete (the replicated state) and every rank's own files of it are held by some
+folder (its own, or a buddy copy). The newest such step wins; where none is whole, the newest
+step whose missing per-rank state the caller can rebuild (``Rebuild``) is taken, with the ranks
+to rebuild named; else the decision is a one-line refusal. Of two copies of one step, the one
+saved on the newer timeline (a higher ``segment``) counts; a folder with the older copy gets the
+newer one whole.
 
-Source of the idea: torchft's ``checkpointing/`` (a replica that comes back gets its state from a
-healthy peer, not from shared storage), https://github.com/meta-pytorch/torchft.
+Source of the idea: torchft's ``checkpointing/`` (a replica that comes back gets its state from
+a healthy peer, not from shared storage), https://github.com/meta-pytorch/torchft.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from torchrun_ddp.errors import UserError
 log = logging.getLogger("torchrun_ddp")
 
 Inventory = dict[str, object]
-"""One folder's listing (JSON): ``run_id``, ``leftovers`` (any step folder at all), ``steps``
-(``{"<N>": step info}``) and ``resume_from`` (the step info of --resume-from, or None)."""
+"""One folder's listing (JSON): ``root`` (the folder, named in refusals), ``run_id``,
+``leftovers`` (any step folder at all), ``steps`` (``{"<N>": step info}``) and ``resume_from``
+(the step info of --resume-from, or None)."""
 
 StepInfo = dict[str, object]
 """``{"meta": {META_KEYS}, "files": [[path relative to the step folder, bytes], ...]}``."""
@@ -60,6 +64,7 @@ def inventory(root: Path, resume_from: str = "") -> Inventory:
             steps[str(step)] = info
     chosen = Path(resume_from) if resume_from else None
     return {
+        "root": str(root),
         "run_id": read_run_id(root),
         "leftovers": bool(step_dirs(root)),
         "steps": steps,
@@ -102,14 +107,16 @@ def plan_across(
     overwrite: bool,
     rebuild: Rebuild,
 ) -> dict[str, object]:
-    """Rank 0's decision from every domain's ``inventory`` (JSON, broadcast as is):
+    """Rank 0's decision from every domain's ``inventory`` (JSON, broadcast as is; with one
+    domain nothing is copied):
     ``{"plan": StartPlan fields, "delete": bool, "streams": [[src, dst, [[file, bytes]...]]],
     "holders": [domains that keep their own copy], "source": "root" | "resume_from",
     "note": str}``.
 
     Raises UserError when the folders hold different runs, --no-resume meets a run's
-    checkpoints without --overwrite-output-dir, --resume-from is complete in no folder, or no
-    step can be resumed (every reason named)."""
+    checkpoints without --overwrite-output-dir, a checkpoint belongs to another run than its
+    folder, --resume-from is complete in no folder, or no step can be resumed (every reason
+    named)."""
     runs = sorted({str(inv["run_id"]) for inv in inventories if inv["run_id"]})
     if len(runs) > 1:
         raise UserError(
@@ -123,9 +130,23 @@ def plan_across(
     candidates = _candidates(inventories, key, existing, resume_from)
     if not candidates:
         return {"plan": {"run_id": existing or new_run_id()}, "delete": False, "streams": []}
-    decision = _choose(candidates, layout, key, existing, rebuild)
+    where = _named(inventories) if len(inventories) == 1 else "the nodes' own folders"
+    decision = _choose(candidates, layout, key, existing, rebuild, where)
     decision["plan"]["segment"] = 1 + _last_segment(inventories)
     return decision
+
+
+def _named(inventories: Sequence[Inventory]) -> str:
+    """How a line names the checkpoint folders: ``--checkpoint-dir <root>`` with one domain."""
+    if len(inventories) == 1:
+        return f"--checkpoint-dir {inventories[0]['root']}"
+    return "the --checkpoint-dir folders"
+
+
+def _hold(inventories: Sequence[Inventory]) -> str:
+    """``"--checkpoint-dir <root> holds"`` (one domain) or ``"the --checkpoint-dir folders
+    hold"``."""
+    return _named(inventories) + (" holds" if len(inventories) == 1 else " hold")
 
 
 def _last_segment(inventories: Sequence[Inventory]) -> int:
@@ -142,7 +163,7 @@ def _fresh(
     held = existing is not None or any(inv["leftovers"] for inv in inventories)
     if held and not overwrite:
         raise UserError(
-            f"--no-resume: the --checkpoint-dir folders hold the checkpoints of run "
+            f"--no-resume: {_hold(inventories)} the checkpoints of run "
             f"{existing or '(unnamed)'}, which a new run must not mix with; {OTHER_RUN}"
         )
     return {"plan": {"run_id": new_run_id()}, "delete": held, "streams": []}
@@ -159,14 +180,16 @@ def _candidates(
             meta = info["meta"]
             if existing is not None and (meta.get("run_id") or existing) != existing:
                 raise UserError(
-                    f"checkpoint step {meta['step']} belongs to run {meta['run_id']}, but the "
-                    f"folders hold run {existing}; resume into the checkpoint's own folders"
+                    f"checkpoint step {meta['step']} belongs to run {meta['run_id']}, but "
+                    f"{_hold(inventories)} run {existing}; resume into the checkpoint's own "
+                    "folder, or pass a new --checkpoint-dir"
                 )
             found.setdefault(int(meta["step"]), {})[domain] = info
     if key == "resume_from" and not found:
+        where = ("", "") if len(inventories) == 1 else (" on any node", " that some node holds")
         raise UserError(
-            f"--resume-from {resume_from} is not a complete checkpoint on any node; pass a "
-            "step-N folder that some node holds"
+            f"--resume-from {resume_from} is not a complete checkpoint{where[0]}; pass a "
+            f"complete step-N folder{where[1]}"
         )
     return {step: _newest(found[step]) for step in sorted(found, reverse=True)}
 
@@ -188,15 +211,17 @@ def _choose(
     key: str,
     existing: str | None,
     rebuild: Rebuild,
+    where: str,
 ) -> dict[str, object]:
     """The newest step every rank can resume exactly, else the newest whose lost per-rank
-    state can be rebuilt; the copies it takes and a one-line note."""
+    state can be rebuilt; the copies it takes and a one-line note (``resuming step N from
+    <where>``)."""
     reasons: list[str] = []
     fallback = None
     for step, holders in candidates.items():
         served = _serve(holders, layout, key)
         if not served.lost:
-            return _decision(step, holders, served, key, existing, reasons)
+            return _decision(step, holders, served, key, existing, reasons, where)
         why = rebuild(next(iter(holders.values()))["meta"])
         reasons.append(f"step {step}: the own state of {_ranks(served.lost)} is in no folder")
         if why:
@@ -204,7 +229,7 @@ def _choose(
         elif fallback is None:
             fallback = (step, holders, served)
     if fallback is not None:
-        return _decision(*fallback, key, existing, reasons)
+        return _decision(*fallback, key, existing, reasons, where)
     raise UserError(f"no checkpoint can be resumed: {'; '.join(reasons)}; {_MORE_COPIES}")
 
 
@@ -229,8 +254,9 @@ def _decision(
     key: str,
     existing: str | None,
     reasons: list[str],
+    where: str,
 ) -> dict[str, object]:
-    note = f"resuming step {step} from the nodes' own folders"
+    note = f"resuming step {step} from {where}"
     if reasons:
         note += f" ({'; '.join(reasons)})"
     if served.lost:

@@ -1,0 +1,319 @@
+"""The start of a run: which checkpoint every rank resumes, agreed over the process group.
+
+One path for every storage layout (``storage``): a shared file system is one storage domain, a
+folder per node or per site one domain each. Each domain's leader lists its folder
+(``peers.inventory``); rank 0 decides from every list (``peers.plan_across``: the newest step that
+every rank can resume, the copies a folder lacks; none with one domain) and checks the run's
+other records (``check``: metrics.jsonl); the decision is broadcast and carried out in every
+folder (``settle``): the old run deleted (--overwrite-output-dir), newer steps set aside, the
+files a folder lacks copied from a peer (``transfer.exchange``) and published atomically; then
+every rank checks that its folder holds the chosen checkpoint (``verify_start``).
+
+Every step ends with every rank knowing whether every other rank succeeded, so that a failure on
+one rank (an unreadable folder, a disk error, a refusal) stops every rank with the same line
+instead of leaving the others waiting in a collective until the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchrun_ddp.checkpoint.codec import fsync_dir
+from torchrun_ddp.checkpoint.folders import (
+    MARKER,
+    META_JSON,
+    complete_steps,
+    publish,
+    remove_incomplete,
+)
+from torchrun_ddp.checkpoint.peers import Inventory, Rebuild, inventory, plan_across
+from torchrun_ddp.checkpoint.ranks import (
+    all_gather_json,
+    broadcast_json,
+    collective_device,
+    distributed,
+    rank_and_world,
+)
+from torchrun_ddp.checkpoint.run_identity import delete_run
+from torchrun_ddp.checkpoint.storage import StorageLayout, span
+from torchrun_ddp.checkpoint.transfer import CHUNK_BYTES, Moved, Stream, exchange
+from torchrun_ddp.errors import UserError
+
+log = logging.getLogger("torchrun_ddp")
+
+Check = Callable[[str, bool], None]
+"""``check(run_id, overwrite)``: the caller's check of the run's other records (metrics.jsonl
+holds no other run unless ``overwrite``); raises UserError to refuse the start."""
+
+
+@dataclass(frozen=True)
+class StartFlags:
+    """What the user asked for: ``resume`` (--resume / --no-resume), ``resume_from``
+    (--resume-from), ``overwrite_output_dir`` (--overwrite-output-dir), and whether this attempt
+    is a ``restarted`` one (a torchrun restart or re-rendezvous of the job)."""
+
+    resume: bool = True
+    resume_from: str = ""
+    overwrite_output_dir: bool = False
+    restarted: bool = False
+
+    @property
+    def resume_newest(self) -> bool:
+        """Resume the newest checkpoint: --resume, or any restart (--no-resume applies to a
+        job's first attempt only: a restart resumes the run's own checkpoints)."""
+        return self.resume or self.restarted
+
+    @property
+    def overwrite(self) -> bool:
+        """Delete another run's checkpoints and metrics first: only for a fresh start."""
+        return self.overwrite_output_dir and not self.resume_newest and not self.resume_from
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """What a starting run does: resume ``path`` (``step`` steps done) or start fresh (``path``
+    None, ``step`` 0); ``run_id`` names the run either way."""
+
+    run_id: str
+    path: str | None = None
+    step: int = 0
+    lost: tuple[int, ...] = ()
+    """Ranks of the checkpoint whose own state no folder holds (several storage domains, more
+    lost than buddy copies): the caller rebuilds it (``peers.plan_across``)."""
+    segment: int = 0
+    """The timeline the run trains on from here: 0 for a fresh run, else one above every
+    checkpoint's ``segment`` in the folder(s), so that a step saved again outranks a stale copy
+    (``peers``)."""
+
+
+def agree_on_start(
+    root: Path,
+    layout: StorageLayout,
+    flags: StartFlags,
+    rebuild: Rebuild,
+    check: Check = lambda run_id, overwrite: None,
+) -> StartPlan:
+    """Collective: the checkpoint every rank resumes (a fresh run: ``path`` None), from this
+    rank's folder ``root`` (its domain's --checkpoint-dir).
+
+    Each domain's leader lists its folder; rank 0 decides (``plan_across``) and runs
+    ``check(run_id, overwrite)``; the decision is broadcast and ``settle``d; every rank then
+    checks that its folder holds the chosen checkpoint (``verify_start``). Rank 0 logs which
+    step is resumed and why. ``rebuild``: see ``peers.Rebuild``.
+
+    Raises the same UserError on every rank for a refusal (another run's folder or metrics, a
+    checkpoint that cannot be resumed, a folder that cannot be updated). Any other exception on
+    a rank is re-raised there, and the other ranks raise RuntimeError naming it, so every rank
+    says why the start failed and none waits in a collective.
+    """
+    if not layout.shared:
+        log.info("%s", layout.describe())
+    rank, resume_from = dist.get_rank(), flags.resume_from
+    mine: Inventory | None = None
+    failure: Exception | None = None
+    if rank == layout.leader:
+        listing = f"rank {rank} failed listing --checkpoint-dir {root}"
+        mine, failure = _attempt(lambda: inventory(root, resume_from), listing)
+    if layout.shared:  # only rank 0's list: nothing to gather
+        inventories = [mine]
+    else:
+        listed = all_gather_json(mine)
+        inventories = [listed[ranks[0]] for ranks in layout.domains]
+    decision: dict[str, object] = {}
+    if rank == 0:
+        decision, failure = _decide(inventories, layout, flags, rebuild, check, failure)
+    decision = dict(broadcast_json(decision))
+    if failure is not None:
+        raise failure
+    if "failure" in decision:
+        raise RuntimeError(str(decision["failure"]))
+    if "error" in decision:
+        raise UserError(str(decision["error"]))
+    if decision.get("note"):
+        log.info("%s", decision["note"])
+    plan = settle(decision, root, layout, resume_from)
+    verify_start(plan, folder_per_node=not layout.shared)
+    return plan
+
+
+def _decide(
+    inventories: list[Inventory | None],
+    layout: StorageLayout,
+    flags: StartFlags,
+    rebuild: Rebuild,
+    check: Check,
+    failure: Exception | None,
+) -> tuple[dict[str, object], Exception | None]:
+    """Rank 0: a leader's failed listing (the first failure, else the first refusal), else
+    ``plan_across``'s decision once ``check`` passes; ``{"error": line}`` for a refusal,
+    ``{"failure": line}`` and the exception for anything else (re-raised on rank 0 once every
+    rank is told). ``failure``: rank 0's own failed listing, kept."""
+    problems = [i for i in inventories if i and "failure" in i] or [
+        i for i in inventories if i and "error" in i
+    ]
+    if problems:
+        return dict(problems[0]), failure
+    resume, overwrite = flags.resume_newest, flags.overwrite
+
+    def plan() -> dict[str, object]:
+        decided = plan_across(inventories, layout, resume, flags.resume_from, overwrite, rebuild)
+        check(str(decided["plan"]["run_id"]), overwrite)
+        return decided
+
+    return _attempt(plan, "rank 0 failed deciding what to resume")
+
+
+def _attempt(
+    action: Callable[[], dict[str, object]], failed: str
+) -> tuple[dict[str, object], Exception | None]:
+    """``action()``, or ``{"error": line}`` for a UserError (bad input: every rank stops with the
+    same line), or ``{"failure": "<failed>: <type>: <message>"}`` with the exception for
+    anything else (re-raised where it happened, once every rank is told)."""
+    try:
+        return action(), None
+    except UserError as exc:
+        return {"error": str(exc)}, None
+    except Exception as exc:  # re-raised by the caller, once every rank knows
+        return {"failure": f"{failed}: {type(exc).__name__}: {exc}"}, exc
+
+
+def settle(
+    decision: Mapping[str, object], root: Path, layout: StorageLayout, resume_from: str
+) -> StartPlan:
+    """Collective: carry out ``plan_across``'s decision in this rank's folder ``root``: delete
+    the run (--overwrite-output-dir), set aside newer steps, copy the files each folder lacks
+    (``transfer.exchange``) and publish them; returns this rank's ``StartPlan``. A folder error
+    on a leader (OSError) stops every rank with one line naming the folder."""
+    plan = dict(decision["plan"])
+    step = plan.get("step")
+    leader = dist.get_rank() == layout.leader
+    _everywhere(leader, lambda: delete_run(root) if decision.get("delete") else None, root)
+    if step is None:
+        return StartPlan(str(plan["run_id"]))
+    step = int(step)
+    _everywhere(leader, lambda: _set_aside(root, step), root)
+    streams = [Stream(int(s), int(d), tuple((str(n), int(b)) for n, b in f)) for s, d, f in
+               decision["streams"]]  # fmt: skip
+    keeper = layout.domain in decision.get("holders", [])
+    own = Path(resume_from) if decision.get("source") == "resume_from" else root / f"step-{step}"
+    source = own if keeper else root / f"step-{step}"  # a keeper of --resume-from reads there
+    fetched = root / f"step-{step}.tmp"
+    moved = exchange(streams, own, fetched, CHUNK_BYTES)
+    if leader and fetched.is_dir():
+        _everywhere(True, lambda: _place(fetched, root / f"step-{step}", step, not keeper), root)
+    else:
+        _everywhere(False, lambda: None, root)
+    _log_moves(moved, layout, step)
+    lost = tuple(int(rank) for rank in plan.get("lost", []))
+    return StartPlan(str(plan["run_id"]), str(source), step, lost, int(plan.get("segment", 0)))
+
+
+def _everywhere(acting: bool, action: Callable[[], object], root: Path) -> None:
+    """Collective: run ``action`` where ``acting`` (a leader's folder work); every rank then
+    raises the same UserError if an OSError stopped it on some rank."""
+    error = ""
+    if acting:
+        try:
+            action()
+        except OSError as exc:
+            error = f"cannot update --checkpoint-dir {root} ({exc.strerror or exc})"
+    errors = [str(e) for e in all_gather_json(error) if e]
+    if errors:
+        raise UserError(f"{errors[0]}; check the folder's disk and permissions, then restart")
+
+
+def _set_aside(root: Path, step: int) -> None:
+    """Rename complete steps newer than ``step`` to ``step-N.stale`` (replacing an older one)
+    and remove what a crash left half-written. ``folders.prune`` deletes a stale copy once the
+    run has saved that step again."""
+    remove_incomplete(root)
+    for newer, path in complete_steps(root):
+        if newer <= step:
+            continue
+        stale = path.with_name(f"{path.name}.stale")
+        if stale.exists():
+            shutil.rmtree(stale)
+        (path / MARKER).unlink()
+        path.rename(stale)
+        log.warning("set aside %s as %s: resuming the older step %d", path, stale.name, step)
+
+
+def _place(fetched: Path, final: Path, step: int, whole: bool) -> None:
+    """Publish a ``whole`` fetched step (the folder lacked it, or held a stale copy, which is
+    replaced), or move fetched per-rank files into the step this folder keeps (each file
+    renamed into place, atomically, then the folder fsynced)."""
+    if whole:
+        publish(fetched, final, step)
+        return
+    for file in sorted(fetched.rglob("*")):
+        if file.is_file():
+            os.replace(file, final / file.relative_to(fetched))
+    fsync_dir(final)
+    shutil.rmtree(fetched)
+
+
+def _log_moves(moved: Moved, layout: StorageLayout, step: int) -> None:
+    """Rank 0 logs what each domain's leader received: bytes, seconds, rate."""
+    every = all_gather_json([moved.received, moved.seconds])
+    for ranks in layout.domains:
+        received, seconds = every[ranks[0]]
+        if int(received):
+            rate = int(received) / max(float(seconds), 1e-9) / 2**20
+            log.info(
+                "step %d: the folder of %s got %.1f MiB from peers in %.2f s (%.1f MiB/s)",
+                step, span(ranks), int(received) / 2**20, float(seconds), rate,
+            )  # fmt: skip
+
+
+def check_start(plan: StartPlan) -> str:
+    """Why this rank cannot resume ``plan`` ("" when it can): the checkpoint must be complete
+    here, at the same step and of the same run. Reads files only; see ``verify_start``."""
+    if plan.path is None:
+        return ""
+    path = Path(plan.path)
+    if not (path / MARKER).is_file():
+        return f"{path} is not complete here"
+    try:
+        meta = json.loads((path / META_JSON).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"cannot read {path / META_JSON} ({exc})"
+    if meta.get("step") != plan.step or meta.get("run_id", plan.run_id) != plan.run_id:
+        return f"{path} holds step {meta.get('step')} of run {meta.get('run_id')}"
+    return ""
+
+
+def verify_start(
+    plan: StartPlan, device: torch.device | None = None, folder_per_node: bool = False
+) -> None:
+    """Collective: every rank checks ``check_start(plan)``; one all-reduce (MIN) of the verdicts
+    on ``device`` (default: the group's, ``ranks.collective_device``).
+
+    Raises UserError on every rank (so none waits in a later collective) when any rank does not
+    see the checkpoint rank 0 chose, e.g. a stale view of a shared --checkpoint-dir
+    (``folder_per_node``: each rank checks its own folder after the copies; the hint differs).
+    """
+    problem = check_start(plan)
+    verdict = torch.tensor([0 if problem else 1], device=device or collective_device())
+    if distributed():
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    if int(verdict.item()) == 1:
+        return
+    rank, _ = rank_and_world()
+    fix = (
+        "check that no other job writes into the nodes' --checkpoint-dir folders"
+        if folder_per_node
+        else "put --checkpoint-dir on a file system shared by all nodes, at the same path"
+    )
+    raise UserError(
+        f"not every rank sees the checkpoint {plan.path} (step {plan.step}) that rank 0 chose "
+        f"(rank {rank}: {problem or 'sees it'}); {fix}"
+    )
