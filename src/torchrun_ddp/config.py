@@ -248,6 +248,12 @@ class TrainConfig:
         choices=["none", "templar"],
     )
     max_grad_norm: float = _opt(1.0, "Gradient clipping threshold (global L2 norm).")
+    max_loss: float = _opt(
+        0.0,
+        "Stop the run (status 2, no checkpoint over the last good one, no final_model) when a "
+        "log step's loss is above this; 0: only a non-finite loss (NaN, inf) stops it. Checked "
+        "on log steps, in the loss's own all-reduce.",
+    )
     epochs: int = _opt(1, "Passes over the training data.")
     max_steps: int = _opt(-1, "Stop after this many optimizer steps; -1 means end of data.")
     seed: int = _opt(42, "Seed for model init, data shuffle and dropout.")
@@ -367,6 +373,15 @@ class TrainConfig:
         True, "Resume from the newest complete checkpoint in --checkpoint-dir (--no-resume: fresh)."
     )
     resume_from: str = _opt("", "Resume from this step-N checkpoint folder instead of the newest.")
+    verify_checkpoints: str = _opt(
+        "full",
+        "How a checkpoint is checked against its manifest (each file's size and SHA-256, "
+        "written before COMPLETE) before anything of it is loaded. full: sizes and SHA-256 (one "
+        "read of each step kept); size: sizes only (a truncated or empty file, not flipped "
+        "bytes); off: no check. A damaged step is set aside as step-N.damaged: a peer's intact "
+        "copy or an older step is resumed instead.",
+        choices=["full", "size", "off"],
+    )
     overwrite_output_dir: bool = _opt(
         False,
         "With --no-resume: delete the checkpoints and metrics.jsonl of the run already in "

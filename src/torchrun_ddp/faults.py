@@ -8,6 +8,11 @@ optimizer step), ``checkpoint-write`` (this rank's checkpoint files written, bef
 barrier), ``publish`` (rank 0: checkpoint folder renamed, COMPLETE marker not yet written; other
 ranks: waiting meanwhile), ``metrics`` (rank 0: half of a metrics.jsonl line written; other
 ranks: at the same record).
+
+``TORCHRUN_DDP_PERTURB=KIND:N[,KIND:N...]`` (``perturbation``) changes the run instead of
+killing it, for tests/test_damaged_checkpoints.py only: ``nan-loss:STEP`` makes every rank's
+loss NaN at optimizer step ``STEP``; ``replica:RANK`` changes rank ``RANK``'s replicated state
+after a resume has loaded it (before the ranks compare it).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import signal
 import sys
 
 ENV = "TORCHRUN_DDP_FAULT"
+PERTURB_ENV = "TORCHRUN_DDP_PERTURB"
+PERTURBATIONS = ("nan-loss", "replica")
 POINTS = ("step", "checkpoint-write", "publish", "metrics")
 
 
@@ -41,6 +48,19 @@ def fault_point(point: str, step: int) -> None:
     print(f"fault injection: SIGKILL rank {rank} at {point} of step {step}", file=sys.stderr)
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def perturbation(kind: str) -> int | None:
+    """The number that ``TORCHRUN_DDP_PERTURB`` gives ``kind`` (a step or a rank), or None
+    (the default: variable unset). Raises ValueError for an entry that is not ``KIND:N``."""
+    spec = os.environ.get(PERTURB_ENV)
+    if not spec:
+        return None
+    for entry in spec.split(","):
+        name, number = entry.split(":")
+        if name == kind:
+            return int(number)
+    return None
 
 
 def _rank() -> int:

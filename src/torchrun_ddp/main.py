@@ -50,7 +50,7 @@ from torchrun_ddp.distributed import (
 )
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
-from torchrun_ddp.faults import fault_point
+from torchrun_ddp.faults import fault_point, perturbation
 from torchrun_ddp.metrics import any_rank, check_records, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context
 from torchrun_ddp.plan.dry_run import dry_run
@@ -105,7 +105,13 @@ def start(
     restarted = attempt > 1 or env.restart_count > 0
     root, storage = checkpoint_root(config), checkpoint_storage(config, env)
     metrics = Path(config.output_dir) / "metrics.jsonl"
-    flags = StartFlags(config.resume, config.resume_from, config.overwrite_output_dir, restarted)
+    flags = StartFlags(
+        config.resume,
+        config.resume_from,
+        config.overwrite_output_dir,
+        restarted,
+        config.verify_checkpoints,
+    )
     rebuild = partial(rebuild_problem, config)
     plan = agree_on_start(root, storage, flags, rebuild, partial(check_records, metrics))
     trained = resumed_config(config, env, plan)  # the resumed shape, before anything is built
@@ -200,12 +206,29 @@ def check_in(
         return data_ends, stopping
     lr = float(trainer.scheduler.get_last_lr()[0])
     record, (data_ends, stopping) = trainer.window.flush(step, lr, flags)
+    check_loss(float(record["loss"]), step, trainer.config.max_loss)
     if skipped := bad_record_count(trainer.data.trained_position):
         record["bad_records"] = skipped
     trainer.metrics.log(record)
     if progress is not None:
         progress.set_postfix(loss=round(record["loss"], 3), tok_s=int(record["tokens_per_s"]))
     return data_ends, stopping
+
+
+def check_loss(loss: float, step: int, max_loss: float) -> None:
+    """Stop a run whose loss exploded: the log step's loss (averaged over ranks, the same on
+    every rank) is NaN or infinite, or above ``max_loss`` (> 0). Called before that step's
+    checkpoint, so none is saved over the last good one, and no final model is exported.
+
+    Raises UserError (every rank alike) with one line."""
+    if math.isfinite(loss) and not 0 < max_loss < loss:
+        return
+    bound = "not finite" if not math.isfinite(loss) else f"above --max-loss {max_loss:g}"
+    raise UserError(
+        f"the training loss is {loss:g} at step {step} ({bound}): stopped without a checkpoint "
+        "or final_model; resume the last good checkpoint with a lower --lr or more "
+        "--warmup-steps"
+    )
 
 
 def forward_backward(
@@ -234,6 +257,8 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
     """One optimizer step over ``batches``: returns (mean loss, gradient norm before clipping)."""
     loss = forward_backward(trainer.model, batches, trainer.config.precision)
     fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
+    if perturbation("nan-loss") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
+        loss = loss * math.nan
     params = trainer.model.parameters()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.config.max_grad_norm)
     trainer.optimizer.step()

@@ -17,10 +17,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
+import torch
+
 from torchrun_ddp.build import Trainer, tokens_per_step
 from torchrun_ddp.checkpoint import (
     StartPlan,
     check_compatible,
+    check_replicas,
     load_checkpoint,
     load_rank_states,
     read_meta,
@@ -31,6 +34,7 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_checks import global_batch_accumulation
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import perturbation
 from torchrun_ddp.methods import method_for
 from torchrun_ddp.training_data import data_position
 from torchrun_ddp.training_state import rank_state, run_identity, sharded_state, shared_state
@@ -56,6 +60,10 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     group = trainer.storage.group if trainer.storage is not None else None
     own = trainer.env.rank not in plan.lost
     per_rank = load_checkpoint(path, shared, sharded, reshard=True, group=group, own=own)
+    if perturbation("replica") == trainer.env.rank:  # tests only (TORCHRUN_DDP_PERTURB)
+        with torch.no_grad():
+            next(trainer.model.parameters()).add_(1.0)
+    check_replicas(shared, str(path))  # before any rank's own state changes it
     trainer.step = int(saved["step"])
     trainer.tokens_seen = int(saved["tokens_seen"])
     trainer.data_since = saved.get("data_since") if same_layout else trainer.step

@@ -23,7 +23,12 @@ One concern per module (they import each other; nothing else in the package does
 - ``storage``: which ranks see one checkpoint folder (storage domains, found out with a probe at
   start), ``StorageLayout`` (leaders, buddy copies, each domain's process group).
 - ``transfer``: files sent between ranks in bounded chunks over the process group, checked with
-  SHA-256 (a peer's recovery, buddy copies).
+  SHA-256 (a peer's recovery, buddy copies), each file hashed while written.
+- ``manifest``: checksums at rest: each step's ``manifest.json`` (every file's size and
+  SHA-256, written before ``COMPLETE``), ``verify_step`` (full, size, off) before a step is
+  chosen; a copy from a peer checked against the manifest it came with.
+- ``replicas``: after a resume, the ranks' hashes of the replicated state compared in one
+  collective (``check_replicas``).
 
 Callers import from the package: ``from torchrun_ddp.checkpoint import save_checkpoint``. The
 package imports no other component but ``errors``, ``faults`` (the test-only fault hook) and the
@@ -48,8 +53,10 @@ from torchrun_ddp.checkpoint.adapters import (
     model_fingerprint,
 )
 from torchrun_ddp.checkpoint.folders import MARKER, find_latest, read_meta
+from torchrun_ddp.checkpoint.manifest import MANIFEST, VERIFY_MODES, verify_step
 from torchrun_ddp.checkpoint.peers import inventory, plan_across
 from torchrun_ddp.checkpoint.ranks import all_gather_json, broadcast_json
+from torchrun_ddp.checkpoint.replicas import check_replicas, state_digest
 from torchrun_ddp.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
 from torchrun_ddp.checkpoint.run_identity import (
     RUN_FILE,
@@ -82,9 +89,11 @@ from torchrun_ddp.checkpoint.storage import (
 from torchrun_ddp.checkpoint.transfer import Moved, Stream, exchange
 
 __all__ = [
+    "MANIFEST",
     "MARKER",
     "RUN_FILE",
     "STORAGE_MODES",
+    "VERIFY_MODES",
     "ModelAndOptimizer",
     "Moved",
     "ShardedOptimizer",
@@ -98,6 +107,7 @@ __all__ = [
     "broadcast_json",
     "capture_rng_state",
     "check_compatible",
+    "check_replicas",
     "check_start",
     "delete_run",
     "detect_storage",
@@ -117,6 +127,8 @@ __all__ = [
     "save_checkpoint",
     "seed_rng",
     "single_layout",
+    "state_digest",
     "verify_start",
+    "verify_step",
     "write_run_id",
 ]

@@ -8,6 +8,7 @@ pickled.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -81,17 +82,20 @@ def untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it."""
+def write_bytes(path: Path, data: bytes) -> str:
+    """Write ``data`` to ``path`` and fsync it; returns the SHA-256 (hex) of what was written,
+    hashed while writing (a checkpoint's manifest). Raises OSError when it cannot be written."""
     with path.open("wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+    return hashlib.sha256(data).hexdigest()
 
 
-def write_json(path: Path, value: object) -> None:
-    """Write ``value`` as JSON to ``path`` and fsync it. Raises TypeError for a non-JSON value."""
-    write_bytes(path, json.dumps(value).encode())
+def write_json(path: Path, value: object) -> str:
+    """Write ``value`` as JSON to ``path`` and fsync it; returns the SHA-256 (hex) of the bytes
+    written. Raises TypeError for a non-JSON value."""
+    return write_bytes(path, json.dumps(value).encode())
 
 
 def fsync_dir(folder: Path) -> None:

@@ -23,10 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from torchrun_ddp.checkpoint.folders import MARKER, META_JSON, complete_steps, step_dirs
+from torchrun_ddp.checkpoint.manifest import MANIFEST, UNVERIFIED, verify_step
 from torchrun_ddp.checkpoint.run_identity import OTHER_RUN, new_run_id, read_run_id
 from torchrun_ddp.checkpoint.storage import StorageLayout
 from torchrun_ddp.errors import UserError
@@ -52,24 +54,57 @@ step saved again after a resume from an older one outranks a stale copy of it.""
 _RANK_FILE = re.compile(r"rank-(\d+)\.(json|safetensors)")
 
 
-def inventory(root: Path, resume_from: str = "") -> Inventory:
-    """What ``root`` holds (a domain leader's view); reads folders and meta files only. A step
-    whose meta.json cannot be read is left out (with a warning): it cannot be resumed.
+def inventory(root: Path, resume_from: str = "", verify: str = "full") -> Inventory:
+    """What ``root`` holds (a domain leader's view); reads folders and meta files, and checks
+    every complete step against its manifest (``manifest.verify_step`` with ``verify``: full,
+    size or off; the seconds are logged). A step whose meta.json cannot be read is left out
+    (with a warning): it cannot be resumed. A damaged step is left out too, as if the folder
+    lacked it, with one warning line naming the file; ``damaged`` maps its step to that
+    clause. A step without a manifest (older code) is listed, with a warning.
 
     Raises UserError for an unreadable run.json, OSError for a folder that cannot be listed."""
-    steps = {}
+    steps: dict[str, StepInfo] = {}
+    damaged: dict[str, str] = {}
+    started, checked = time.perf_counter(), 0
     for step, path in complete_steps(root):
         info = _step_info(path)
-        if info is not None:
-            steps[str(step)] = info
+        if info is None:
+            continue
+        checked += 1
+        if problem := _verified(path, verify):
+            damaged[str(step)] = problem
+            continue
+        steps[str(step)] = info
     chosen = Path(resume_from) if resume_from else None
+    picked = None
+    if chosen and (chosen / MARKER).is_file():
+        picked = _step_info(chosen)
+        checked += 1
+        if picked is not None and (problem := _verified(chosen, verify)):
+            damaged["resume_from"], picked = problem, None
+    if checked and verify != "off":
+        seconds = time.perf_counter() - started
+        log.info("verified %d checkpoint(s) in %s (%s) in %.2f s", checked, root, verify, seconds)
     return {
         "root": str(root),
         "run_id": read_run_id(root),
         "leftovers": bool(step_dirs(root)),
         "steps": steps,
-        "resume_from": _step_info(chosen) if chosen and (chosen / MARKER).is_file() else None,
+        "resume_from": picked,
+        "damaged": damaged,
     }
+
+
+def _verified(path: Path, verify: str) -> str:
+    """``manifest.verify_step``'s clause for a damaged step ("" otherwise), logged in one line;
+    a step without a manifest is logged as unverified and counts as intact."""
+    problem = verify_step(path, verify)
+    if problem == UNVERIFIED:
+        log.warning("%s has no %s (saved by an older version): loaded unverified", path, MANIFEST)
+        return ""
+    if problem:
+        log.warning("%s is damaged: %s; it counts as absent in this folder", path, problem)
+    return problem
 
 
 def _step_info(path: Path) -> StepInfo | None:
@@ -129,11 +164,28 @@ def plan_across(
     key = "resume_from" if resume_from else "steps"
     candidates = _candidates(inventories, key, existing, resume_from)
     if not candidates:
+        if damage := _damage(inventories):
+            raise UserError(
+                f"no intact checkpoint to resume: {damage}; restore that file from a copy, or "
+                "start fresh with --no-resume --overwrite-output-dir (nothing was loaded)"
+            )
         return {"plan": {"run_id": existing or new_run_id()}, "delete": False, "streams": []}
     where = _named(inventories) if len(inventories) == 1 else "the nodes' own folders"
     decision = _choose(candidates, layout, key, existing, rebuild, where)
+    if damage := _damage(inventories):
+        decision["note"] += f" (damaged, set aside: {damage})"
     decision["plan"]["segment"] = 1 + _last_segment(inventories)
     return decision
+
+
+def _damage(inventories: Sequence[Inventory]) -> str:
+    """The damaged steps of every folder, one clause each (``step N: <file> ...``), "" for
+    none."""
+    return "; ".join(
+        f"step {step}: {problem}" if step != "resume_from" else problem
+        for inv in inventories
+        for step, problem in dict(inv.get("damaged") or {}).items()
+    )
 
 
 def _named(inventories: Sequence[Inventory]) -> str:
@@ -186,6 +238,8 @@ def _candidates(
                 )
             found.setdefault(int(meta["step"]), {})[domain] = info
     if key == "resume_from" and not found:
+        if damage := _damage(inventories):
+            raise UserError(f"--resume-from {resume_from} is damaged: {damage}; pass an intact one")
         where = ("", "") if len(inventories) == 1 else (" on any node", " that some node holds")
         raise UserError(
             f"--resume-from {resume_from} is not a complete checkpoint{where[0]}; pass a "

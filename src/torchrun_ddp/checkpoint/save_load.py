@@ -52,7 +52,6 @@ from torchrun_ddp.checkpoint.codec import (
     tensor_keys,
     untied,
     write_bytes,
-    write_json,
 )
 from torchrun_ddp.checkpoint.folders import (
     DCP_DIR,
@@ -64,6 +63,7 @@ from torchrun_ddp.checkpoint.folders import (
     read_meta,
     remove_incomplete,
 )
+from torchrun_ddp.checkpoint.manifest import Entry, dcp_share, write_manifest
 from torchrun_ddp.checkpoint.ranks import all_gather_json, barrier, every_rank_ok, rank_and_world
 from torchrun_ddp.checkpoint.storage import StorageLayout, single_layout
 from torchrun_ddp.checkpoint.transfer import Stream, exchange
@@ -122,16 +122,17 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     failure: BaseException | None = None
+    entries: dict[str, Entry] = {}  # this rank's files of the manifest, hashed while written
     try:
         if shared_tensors or sharded:  # the same on every rank: all or none enter it
             writer = _writer(tmp / DCP_DIR)
             dcp.save(untied(dcp_tensors), storage_writer=writer, process_group=layout.group)
         cpu = {key: value.cpu().contiguous() for key, value in untied(rank_tensors).items()}
-        write_bytes(tmp / f"rank-{rank}.safetensors", safetensors_bytes(cpu))
-        write_json(tmp / f"rank-{rank}.json", rank_tree)
+        _write(tmp, f"rank-{rank}.safetensors", safetensors_bytes(cpu), entries)
+        _write(tmp, f"rank-{rank}.json", json.dumps(rank_tree).encode(), entries)
         if leader:
-            write_json(tmp / SHARED_JSON, shared_tree)
-            write_bytes(tmp / META_JSON, meta_text.encode())
+            _write(tmp, SHARED_JSON, json.dumps(shared_tree).encode(), entries)
+            _write(tmp, META_JSON, meta_text.encode(), entries)
     except (OSError, CheckpointException) as exc:
         if not _disk_full(exc):
             raise
@@ -143,7 +144,8 @@ def save_checkpoint(
             "and restart to resume from it"
         ) from failure
     if layout.buddy_copies:
-        exchange(buddy_streams(layout, tmp, rank), tmp, tmp)
+        entries.update(exchange(buddy_streams(layout, tmp, rank), tmp, tmp).entries)
+    _write_manifest(tmp, layout, rank, entries)
     fault_point("checkpoint-write", step)
     barrier()
     if leader:
@@ -153,6 +155,25 @@ def save_checkpoint(
         fault_point("publish", step)
     barrier()
     return final
+
+
+def _write(folder: Path, name: str, data: bytes, entries: dict[str, Entry]) -> None:
+    """Write ``data`` to ``folder/name`` (fsynced) and record its manifest entry, hashed while
+    writing."""
+    entries[name] = [len(data), write_bytes(folder / name, data)]
+
+
+def _write_manifest(tmp: Path, layout: StorageLayout, rank: int, entries: dict[str, Entry]) -> None:
+    """Collective: the manifest of every domain's ``tmp`` folder. Each rank adds its share of
+    the DCP shard files (hashed after DCP wrote them) to ``entries`` (what it wrote itself);
+    every rank's entries are gathered and each domain's leader writes its folder's manifest."""
+    home = layout.domain_of(rank)
+    ranks = layout.domains[home]
+    entries.update(dcp_share(tmp / DCP_DIR, ranks.index(rank), len(ranks)))
+    every = all_gather_json([home, entries])
+    if rank == layout.leader:
+        mine = {name: entry for d, listed in every if d == home for name, entry in listed.items()}
+        write_manifest(tmp, mine)
 
 
 def buddy_streams(layout: StorageLayout, folder: Path, rank: int) -> list[Stream]:

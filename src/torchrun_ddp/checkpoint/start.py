@@ -16,6 +16,7 @@ instead of leaving the others waiting in a collective until the timeout.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from torchrun_ddp.checkpoint.folders import (
     publish,
     remove_incomplete,
 )
+from torchrun_ddp.checkpoint.manifest import Entry, add_entries, check_received
 from torchrun_ddp.checkpoint.peers import Inventory, Rebuild, inventory, plan_across
 from torchrun_ddp.checkpoint.ranks import (
     all_gather_json,
@@ -59,12 +61,15 @@ holds no other run unless ``overwrite``); raises UserError to refuse the start."
 class StartFlags:
     """What the user asked for: ``resume`` (--resume / --no-resume), ``resume_from``
     (--resume-from), ``overwrite_output_dir`` (--overwrite-output-dir), and whether this attempt
-    is a ``restarted`` one (a torchrun restart or re-rendezvous of the job)."""
+    is a ``restarted`` one (a torchrun restart or re-rendezvous of the job); ``verify``
+    (--verify-checkpoints: full, size or off) how each folder's steps are checked against their
+    manifests before anything is chosen."""
 
     resume: bool = True
     resume_from: str = ""
     overwrite_output_dir: bool = False
     restarted: bool = False
+    verify: str = "full"
 
     @property
     def resume_newest(self) -> bool:
@@ -122,7 +127,7 @@ def agree_on_start(
     failure: Exception | None = None
     if rank == layout.leader:
         listing = f"rank {rank} failed listing --checkpoint-dir {root}"
-        mine, failure = _attempt(lambda: inventory(root, resume_from), listing)
+        mine, failure = _attempt(lambda: inventory(root, resume_from, flags.verify), listing)
     if layout.shared:  # only rank 0's list: nothing to gather
         inventories = [mine]
     else:
@@ -167,6 +172,11 @@ def _decide(
     def plan() -> dict[str, object]:
         decided = plan_across(inventories, layout, resume, flags.resume_from, overwrite, rebuild)
         check(str(decided["plan"]["run_id"]), overwrite)
+        decided["damaged"] = [
+            sorted(int(step) for step in dict(i.get("damaged") or {}) if step != "resume_from")
+            for i in inventories
+            if i is not None
+        ]
         return decided
 
     return _attempt(plan, "rank 0 failed deciding what to resume")
@@ -200,7 +210,8 @@ def settle(
     if step is None:
         return StartPlan(str(plan["run_id"]))
     step = int(step)
-    _everywhere(leader, lambda: _set_aside(root, step), root)
+    damaged = list(decision.get("damaged") or [[]] * len(layout.domains))[layout.domain]
+    _everywhere(leader, lambda: _set_aside(root, step, damaged), root)
     streams = [Stream(int(s), int(d), tuple((str(n), int(b)) for n, b in f)) for s, d, f in
                decision["streams"]]  # fmt: skip
     keeper = layout.domain in decision.get("holders", [])
@@ -209,7 +220,8 @@ def settle(
     fetched = root / f"step-{step}.tmp"
     moved = exchange(streams, own, fetched, CHUNK_BYTES)
     if leader and fetched.is_dir():
-        _everywhere(True, lambda: _place(fetched, root / f"step-{step}", step, not keeper), root)
+        final, whole = root / f"step-{step}", not keeper
+        _everywhere(True, lambda: _place(fetched, final, step, whole, moved.entries), root)
     else:
         _everywhere(False, lambda: None, root)
     _log_moves(moved, layout, step)
@@ -231,10 +243,19 @@ def _everywhere(acting: bool, action: Callable[[], object], root: Path) -> None:
         raise UserError(f"{errors[0]}; check the folder's disk and permissions, then restart")
 
 
-def _set_aside(root: Path, step: int) -> None:
-    """Rename complete steps newer than ``step`` to ``step-N.stale`` (replacing an older one)
-    and remove what a crash left half-written. ``folders.prune`` deletes a stale copy once the
-    run has saved that step again."""
+def _set_aside(root: Path, step: int, damaged: list[int]) -> None:
+    """Rename the ``damaged`` steps (files that do not match their manifest) to
+    ``step-N.damaged`` (``step-N.damaged-2``... when taken: never deleted), complete steps newer
+    than ``step`` to ``step-N.stale`` (replacing an older one), and remove what a crash left
+    half-written. ``folders.prune`` deletes a stale copy once the run has saved that step
+    again."""
+    for number in damaged:
+        path = root / f"step-{number}"
+        if (path / MARKER).is_file():
+            (path / MARKER).unlink()
+            aside = _free_name(root, f"step-{number}.damaged")
+            path.rename(aside)
+            log.warning("set aside the damaged %s as %s", path, aside.name)
     remove_incomplete(root)
     for newer, path in complete_steps(root):
         if newer <= step:
@@ -247,11 +268,27 @@ def _set_aside(root: Path, step: int) -> None:
         log.warning("set aside %s as %s: resuming the older step %d", path, stale.name, step)
 
 
-def _place(fetched: Path, final: Path, step: int, whole: bool) -> None:
-    """Publish a ``whole`` fetched step (the folder lacked it, or held a stale copy, which is
-    replaced), or move fetched per-rank files into the step this folder keeps (each file
-    renamed into place, atomically, then the folder fsynced)."""
+def _free_name(root: Path, name: str) -> Path:
+    """``root/name``, or ``root/name-2``, ``-3``... where that is taken."""
+    path, count = root / name, 1
+    while path.exists():
+        count += 1
+        path = root / f"{name}-{count}"
+    return path
+
+
+def _place(
+    fetched: Path, final: Path, step: int, whole: bool, entries: Mapping[str, Entry]
+) -> None:
+    """Publish a ``whole`` fetched step (the folder lacked it, or held a stale or damaged copy,
+    which is replaced) once every received file matches the sender's manifest (``entries``:
+    size and SHA-256 hashed while receiving); or move fetched per-rank files into the step this
+    folder keeps (each file renamed into place, atomically, then the folder fsynced) and add
+    them to its manifest. Raises OSError (EIO) naming a received file that does not match the
+    manifest it came with."""
     if whole:
+        if problem := check_received(fetched, entries):
+            raise OSError(errno.EIO, f"a copy from a peer is damaged: {problem}")
         publish(fetched, final, step)
         return
     for file in sorted(fetched.rglob("*")):
@@ -259,6 +296,7 @@ def _place(fetched: Path, final: Path, step: int, whole: bool) -> None:
             os.replace(file, final / file.relative_to(fetched))
     fsync_dir(final)
     shutil.rmtree(fetched)
+    add_entries(final, entries)
 
 
 def _log_moves(moved: Moved, layout: StorageLayout, step: int) -> None:

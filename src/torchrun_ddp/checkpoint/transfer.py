@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -53,6 +53,9 @@ class Moved:
 
     received: int
     seconds: float
+    entries: dict[str, list[object]] = field(default_factory=dict)
+    """``{file: [bytes, SHA-256 hex]}`` of every file written here, hashed while writing (the
+    folder's manifest takes them)."""
 
 
 class _Reader:
@@ -105,11 +108,14 @@ class _Writer:
         self.folder, self.files, self.index, self.offset = folder, list(files), 0, 0
         self.handle: BinaryIO | None = None
         self.digest = hashlib.sha256()
+        self.file_digest = hashlib.sha256()
+        self.entries: dict[str, list[object]] = {}
         self.error = ""
         try:
             for name, size in self.files:
                 if size == 0:
                     self._open(name).close()
+                    self.entries[name] = [0, hashlib.sha256().hexdigest()]
         except OSError as exc:
             self.error = f"cannot write in {self.folder} ({exc.strerror})"
 
@@ -120,6 +126,7 @@ class _Writer:
             name, size = self.files[self.index]
             count = min(size - self.offset, len(view))
             self._write_file(name, view[:count])
+            self.file_digest.update(view[:count])
             view, self.offset = view[count:], self.offset + count
             if self.offset == size:
                 self._close()
@@ -148,6 +155,9 @@ class _Writer:
                 self.error = f"cannot write {self.handle.name} ({exc.strerror})"
         if self.handle is not None:
             self.handle.close()
+        name, size = self.files[self.index]
+        self.entries[name] = [size, self.file_digest.hexdigest()]
+        self.file_digest = hashlib.sha256()
         self.handle, self.index, self.offset = None, self.index + 1, 0
         while self.index < len(self.files) and self.files[self.index][1] == 0:
             self.index += 1
@@ -183,7 +193,8 @@ def exchange(
     if failures:
         raise UserError(f"copying checkpoint files between ranks failed: {failures[0]}")
     received = sum(streams[i].size for i in taking)
-    return Moved(received, time.perf_counter() - started)
+    entries = {name: entry for writer in writers.values() for name, entry in writer.entries.items()}
+    return Moved(received, time.perf_counter() - started, entries)
 
 
 def _round(

@@ -1,0 +1,158 @@
+"""Checksums at rest: each published step's ``manifest.json`` lists every file of its folder
+with its size and SHA-256, and a step is checked against it before anything of it is loaded.
+
+The manifest is written into ``step-<N>.tmp/`` before the folder is published, so a step with
+the ``COMPLETE`` marker always has one (steps saved by older code have none: they are loaded
+unverified, with a warning). Files written by the project's own code (per-rank files,
+``shared.json``, ``meta.json``, buddy copies and copies from a peer) are hashed while they are
+written; DCP's shard files are hashed after DCP wrote them, each by one rank of the folder's
+storage domain (``dcp_share``).
+
+Format: ``{"version": 1, "files": {"<path relative to the step folder>": [bytes, "<sha256>"]}}``.
+
+Verification (``verify_step``), by ``--verify-checkpoints``: ``full`` reads every file and
+compares size and SHA-256 (the cost: one read of the checkpoint, measured in
+docs/benchmarks.md), ``size`` compares sizes only (a truncated or zero-length file, not flipped
+bytes), ``off`` checks nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from torchrun_ddp.checkpoint.codec import write_json
+
+MANIFEST = "manifest.json"
+VERIFY_MODES = ("full", "size", "off")
+UNVERIFIED = "unverified"
+"""``verify_step``'s answer for a step without a manifest (written by older code)."""
+_READ_BYTES = 8 * 2**20
+
+Entry = list[object]
+"""``[bytes, "<sha256 hex>"]``: one file of a manifest."""
+
+
+def file_entry(path: Path) -> Entry:
+    """``[size in bytes, SHA-256 hex]`` of the file ``path``, read in 8 MiB blocks.
+
+    Raises OSError when the file cannot be read."""
+    digest, size = hashlib.sha256(), 0
+    with path.open("rb") as handle:
+        while block := handle.read(_READ_BYTES):
+            digest.update(block)
+            size += len(block)
+    return [size, digest.hexdigest()]
+
+
+def bytes_entry(data: bytes) -> Entry:
+    """``[size, SHA-256 hex]`` of bytes about to be written (hashing while writing)."""
+    return [len(data), hashlib.sha256(data).hexdigest()]
+
+
+def dcp_share(folder: Path, position: int, count: int) -> dict[str, Entry]:
+    """The entries of the files under ``folder`` (a step's ``dcp/``) that the rank at
+    ``position`` of ``count`` ranks hashes: every ``count``-th file, by sorted name. Keys are
+    relative to the step folder (``dcp/<name>``)."""
+    if not folder.is_dir():
+        return {}
+    files = sorted(file for file in folder.rglob("*") if file.is_file())
+    return {
+        str(file.relative_to(folder.parent)): file_entry(file)
+        for index, file in enumerate(files)
+        if index % count == position
+    }
+
+
+def write_manifest(step_dir: Path, entries: Mapping[str, Entry]) -> None:
+    """Write ``manifest.json`` into ``step_dir`` (fsynced); ``entries``: every file of the
+    folder but the manifest and the marker. Raises OSError when it cannot be written."""
+    files = {name: list(entry) for name, entry in sorted(entries.items())}
+    write_json(step_dir / MANIFEST, {"version": 1, "files": files})
+
+
+def read_manifest(step_dir: Path) -> dict[str, Entry] | None:
+    """The ``files`` of ``step_dir``'s manifest; None when it has none. Raises ValueError for a
+    manifest that cannot be read or parsed (a damaged manifest is a damaged step)."""
+    path = step_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+        files = value["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} cannot be read ({exc})") from exc
+    if not isinstance(files, dict):
+        raise ValueError(f"{path} holds no file list")
+    return files
+
+
+def verify_step(step_dir: Path, mode: str = "full") -> str:
+    """Check ``step_dir``'s files against its manifest: ``""`` when they match (or ``mode`` is
+    ``off``), ``UNVERIFIED`` without a manifest, else one clause naming the first damaged file
+    (missing, another size, or with ``full`` another SHA-256). Reads every listed file with
+    ``full``, only their sizes with ``size``. Raises ValueError for an unknown ``mode``."""
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"unknown verification mode {mode!r}; choose one of {VERIFY_MODES}")
+    if mode == "off":
+        return ""
+    try:
+        files = read_manifest(step_dir)
+    except ValueError as exc:
+        return str(exc)
+    if files is None:
+        return UNVERIFIED
+    for name, entry in sorted(files.items()):
+        if problem := _check_file(step_dir / name, entry, mode):
+            return problem
+    return ""
+
+
+def _check_file(path: Path, entry: Sequence[object], mode: str) -> str:
+    """Why ``path`` does not match its manifest ``entry`` ("" when it does)."""
+    size, sha = int(str(entry[0])), str(entry[1])
+    try:
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} has {actual} bytes, its manifest says {size}"
+        if mode == "full" and file_entry(path)[1] != sha:
+            return f"{path} does not match its SHA-256 in the manifest"
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror or exc})"
+    return ""
+
+
+def check_received(step_dir: Path, entries: Mapping[str, Entry]) -> str:
+    """Compare the files a peer sent into ``step_dir`` (``entries``: size and SHA-256, hashed
+    while receiving) with the sender's manifest that came with them, then make the manifest
+    this folder's own (the files it received). "" when they match (or no manifest came: older
+    code), else one clause naming the first file that differs. Raises OSError when the manifest
+    cannot be written."""
+    try:
+        files = read_manifest(step_dir)
+    except ValueError as exc:
+        return str(exc)
+    if files is None:
+        return ""
+    received = {name: list(entry) for name, entry in entries.items() if name != MANIFEST}
+    for name, got in sorted(received.items()):
+        want = files.get(name)
+        if want is not None and [int(str(got[0])), str(got[1])] != [int(str(want[0])), want[1]]:
+            return f"{step_dir / name} does not match its manifest"
+    write_manifest(step_dir, received)
+    return ""
+
+
+def add_entries(step_dir: Path, entries: Mapping[str, Entry]) -> None:
+    """Add ``entries`` (files a peer sent into a folder that keeps its own copy of the step,
+    hashed while receiving) to ``step_dir``'s manifest, where it has one. Raises OSError when
+    the manifest cannot be written."""
+    try:
+        files = read_manifest(step_dir)
+    except ValueError:
+        return  # a damaged manifest stays damaged: the next start sets the step aside
+    if files is None:
+        return
+    write_manifest(step_dir, {**files, **{name: list(e) for name, e in entries.items()}})

@@ -1,0 +1,261 @@
+"""A damaged checkpoint is never loaded (issue 43): each published step's manifest (size and
+SHA-256 of every file) is checked before a step is chosen, in a shared folder (2 real gloo ranks)
+and in a folder per node (2 nodes of 2 ranks). A damaged newest step makes the run resume the
+previous one, or a peer's intact copy, and end bit-identical to an uninterrupted run; with no
+intact step every rank stops with one line naming the file. Flipped bytes, a truncated file, an
+empty file, a damaged per-rank file and a damaged buddy copy are found by ``verify_step`` on real
+checkpoint folders. Replicas that differ after a resume stop every rank; a NaN loss stops the run
+(torchrun: status 2) without a checkpoint or final_model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from distributed_harness import PEAK, REPO, run_distributed, tiny_args, torchrun
+from tiny_models import digest, logged_losses, train_in_group
+
+from torchrun_ddp.checkpoint import MANIFEST, inventory, verify_step
+from torchrun_ddp.checkpoint.manifest import UNVERIFIED
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import PERTURB_ENV
+
+pytestmark = pytest.mark.slow  # spawned 2- and 4-rank training runs, one torchrun run
+
+TINY_LLAMA = REPO / "configs" / "tiny-models" / "llama" / "config.json"
+
+
+def _argv(base: Path, folder: str, steps: int) -> list[str]:
+    data = REPO / "data"
+    return [
+        "--config", str(REPO / "configs" / "tiny.toml"), "--model", str(TINY_LLAMA),
+        "--tokenizer", str(data / "tokenizer" / "mistral-7b-v0.1"),
+        "--data-files", str(data / "c4" / "*train*.json.gz"),
+        "--eval-files", str(data / "c4" / "*validation*.json.gz"),
+        "--output-dir", str(base / "out"), "--checkpoint-dir", str(base / folder),
+        "--seq-length", "32", "--batch-size", "1", "--max-steps", str(steps),
+        "--checkpoint-every", "2", "--log-every", "1", "--eval-every", "0",
+        "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1", *PEAK,
+    ]  # fmt: skip
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _train(
+    rank: int, world: int, base: str, steps: int, per_node: int, perturb: str
+) -> dict[str, object]:
+    """One run on this rank (folder ``ckpt``, or ``node-<n>`` with 2 nodes): the final
+    parameters' digest, the step reached and the log lines, or the one-line refusal."""
+    if perturb:
+        os.environ[PERTURB_ENV] = perturb
+    folder = "ckpt" if per_node == world else f"node-{rank // per_node}"
+    lines = _Lines()
+    logging.getLogger("torchrun_ddp").addHandler(lines)
+    try:
+        argv = _argv(Path(base), folder, steps)
+        trainer = train_in_group(rank, world, argv, False, per_node)
+    except UserError as exc:
+        return {"error": str(exc), "lines": lines.lines}
+    finally:
+        logging.getLogger("torchrun_ddp").removeHandler(lines)
+        os.environ.pop(PERTURB_ENV, None)
+    params = dict(trainer.model.module.named_parameters())
+    return {"digest": digest(params), "step": trainer.step, "lines": lines.lines}
+
+
+def _run(
+    base: Path, steps: int, world: int = 2, per_node: int = 2, perturb: str = ""
+) -> list[dict[str, object]]:
+    return run_distributed(_train, world, str(base), steps, per_node, perturb, timeout=300.0)
+
+
+def _flip(file: Path, count: int = 4096) -> None:
+    """Invert ``count`` bytes in the middle of ``file`` (its size unchanged): a bad sector."""
+    data = bytearray(file.read_bytes())
+    start = max(0, len(data) // 2 - count // 2)
+    end = min(len(data), start + count)
+    data[start:end] = bytes(b ^ 0xFF for b in data[start:end])
+    file.write_bytes(bytes(data))
+
+
+def _shard(step_dir: Path) -> Path:
+    return sorted((step_dir / "dcp").glob("shard-*.safetensors"))[-1]
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """2 ranks, one shared folder, 6 steps uninterrupted (steps 2, 4 and 6 kept)."""
+    base = tmp_path_factory.mktemp("shared")
+    results = _run(base, 6)
+    return base, [str(r["digest"]) for r in results]
+
+
+@pytest.fixture(scope="module")
+def node_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """2 nodes x 2 ranks, a folder per node, 6 steps uninterrupted."""
+    base = tmp_path_factory.mktemp("nodes")
+    results = _run(base, 6, world=4)
+    return base, [str(r["digest"]) for r in results]
+
+
+def test_every_published_step_has_a_manifest_of_every_file(
+    shared_run: tuple[Path, list[str]], node_run: tuple[Path, list[str]]
+) -> None:
+    for step_dir in [
+        *(shared_run[0] / "ckpt").glob("step-*"),
+        *(node_run[0] / "node-1").glob("step-*"),
+    ]:
+        listed = json.loads((step_dir / MANIFEST).read_text())["files"]
+        on_disk = {
+            str(f.relative_to(step_dir))
+            for f in step_dir.rglob("*")
+            if f.is_file() and f.name not in ("COMPLETE", MANIFEST)
+        }
+        assert set(listed) == on_disk, step_dir
+        assert verify_step(step_dir) == ""
+    manifest = node_run[0] / "node-1" / "step-6" / MANIFEST
+    listed = set(json.loads(manifest.read_text())["files"])
+    assert {"rank-0.safetensors", "rank-2.safetensors"} <= listed  # a buddy copy, its own
+
+
+def test_a_damaged_newest_step_resumes_the_previous_one_and_ends_bit_identical(
+    shared_run: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    reference, digests = shared_run
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "ckpt" / "step-6")  # as after step 4
+    shard = _shard(tmp_path / "ckpt" / "step-4")
+    _flip(shard)
+    resumed = _run(tmp_path, 6)
+    assert [r["digest"] for r in resumed] == digests
+    damage = [line for line in resumed[0]["lines"] if "is damaged" in line]
+    assert len(damage) == 1 and shard.name in damage[0] and "\n" not in damage[0], damage
+    aside = tmp_path / "ckpt" / "step-4.damaged"
+    assert (aside / "dcp" / shard.name).is_file()  # set aside, never deleted
+    assert verify_step(tmp_path / "ckpt" / "step-4") == ""  # saved again, intact
+    losses = logged_losses(tmp_path / "out")
+    assert [losses[s] for s in (3, 4, 5, 6)] == [
+        logged_losses(reference / "out")[s] for s in (3, 4, 5, 6)
+    ]
+
+
+def test_with_only_a_damaged_step_every_rank_stops_with_one_line_naming_the_file(
+    shared_run: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    shutil.copytree(shared_run[0], tmp_path, dirs_exist_ok=True)
+    for step in (2, 6):
+        shutil.rmtree(tmp_path / "ckpt" / f"step-{step}")
+    shard = _shard(tmp_path / "ckpt" / "step-4")
+    _flip(shard)
+    results = _run(tmp_path, 8)
+    errors = {str(r.get("error")) for r in results}
+    assert len(errors) == 1, results
+    error = errors.pop()
+    assert error.startswith("no intact checkpoint to resume: step 4: ") and str(shard) in error
+    assert "\n" not in error and "nothing was loaded" in error
+    assert not any("resumed from" in line for r in results for line in r["lines"])
+    assert (tmp_path / "ckpt" / "step-4" / "COMPLETE").is_file()  # left as it was
+
+
+def test_replicas_that_differ_after_a_resume_stop_every_rank_with_one_line(
+    shared_run: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    shutil.copytree(shared_run[0], tmp_path, dirs_exist_ok=True)
+    results = _run(tmp_path, 8, perturb="replica:1")
+    errors = {str(r.get("error")) for r in results}
+    assert len(errors) == 1, results
+    error = errors.pop()
+    assert error.startswith("the replicas differ after loading ") and "rank(s) 1 hold" in error
+    assert "\n" not in error
+    assert not (tmp_path / "ckpt" / "step-8").exists()
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "empty", "rank-file", "manifest"])
+def test_verify_step_names_the_damaged_file(
+    shared_run: tuple[Path, list[str]], tmp_path: Path, damage: str
+) -> None:
+    step_dir = tmp_path / "step-6"
+    shutil.copytree(shared_run[0] / "ckpt" / "step-6", step_dir)
+    shard = _shard(step_dir)
+    if damage == "flipped":
+        _flip(shard)
+        expected, sizes_see_it = f"{shard} does not match its SHA-256", False
+    elif damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+        expected, sizes_see_it = f"{shard} has ", True
+    elif damage == "empty":
+        (step_dir / "rank-0.json").write_bytes(b"")
+        expected, sizes_see_it = f"{step_dir / 'rank-0.json'} has 0 bytes", True
+    elif damage == "rank-file":
+        _flip(step_dir / "rank-1.safetensors", 64)
+        expected, sizes_see_it = f"{step_dir / 'rank-1.safetensors'} does not match", False
+    else:
+        (step_dir / MANIFEST).write_text("{not json")
+        expected, sizes_see_it = f"{step_dir / MANIFEST} cannot be read", True
+    assert verify_step(step_dir, "full").startswith(expected)
+    assert bool(verify_step(step_dir, "size")) == sizes_see_it
+    assert verify_step(step_dir, "off") == ""
+
+
+def test_a_damaged_buddy_copy_is_found_and_a_step_without_manifest_loads_unverified(
+    node_run: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    shutil.copytree(node_run[0] / "node-0", tmp_path / "node-0")
+    buddy = tmp_path / "node-0" / "step-6" / "rank-2.safetensors"  # node 1's rank, kept here
+    _flip(buddy, 64)
+    assert verify_step(buddy.parent).startswith(f"{buddy} does not match")
+    (tmp_path / "node-0" / "step-4" / MANIFEST).unlink()  # as older code wrote it
+    assert verify_step(tmp_path / "node-0" / "step-4") == UNVERIFIED
+    listed = inventory(tmp_path / "node-0")
+    assert sorted(listed["steps"]) == ["2", "4"]  # 6 counts as absent, 4 loads unverified
+    assert list(listed["damaged"]) == ["6"] and str(buddy) in listed["damaged"]["6"]
+    assert sorted(inventory(tmp_path / "node-0", verify="off")["steps"]) == ["2", "4", "6"]
+
+
+def test_a_damaged_file_in_one_node_folder_is_replaced_from_the_peer_and_ends_bit_identical(
+    node_run: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    reference, digests = node_run
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    for node in (0, 1):
+        shutil.rmtree(tmp_path / f"node-{node}" / "step-6")
+    shard = _shard(tmp_path / "node-1" / "step-4")
+    _flip(shard)
+    resumed = _run(tmp_path, 6, world=4)
+    assert [r["digest"] for r in resumed] == digests
+    assert any(shard.name in line and "is damaged" in line for line in resumed[2]["lines"])
+    assert (tmp_path / "node-1" / "step-4.damaged" / "dcp" / shard.name).is_file()
+    assert verify_step(tmp_path / "node-1" / "step-4") == ""  # node 0's copy, checked
+    assert logged_losses(tmp_path / "out")[5] == logged_losses(reference / "out")[5]
+
+
+def test_a_nan_loss_stops_the_run_without_checkpoint_or_final_model(
+    sample_data: Path, tmp_path: Path
+) -> None:
+    """torchrun, 2 ranks: the loss is NaN at step 3 (test hook); the log step stops every rank
+    with status 2 and one line; step 2's checkpoint is the last one, no final_model."""
+    args = tiny_args(sample_data, tmp_path / "out", "--model", str(TINY_LLAMA))
+    args += ["--seq-length", "32", "--batch-size", "1", "--max-steps", "6", "--threads", "1"]
+    args += ["--checkpoint-every", "2", "--log-every", "1", "--eval-every", "0"]
+    os.environ[PERTURB_ENV] = "nan-loss:3"
+    try:
+        done = torchrun(args)
+    finally:
+        os.environ.pop(PERTURB_ENV, None)
+    assert done.returncode != 0, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all("training loss is nan at step 3" in line for line in errors), errors
+    checkpoints = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step-*"))
+    assert checkpoints == ["step-2"]
+    assert not (tmp_path / "out" / "final_model").exists()
