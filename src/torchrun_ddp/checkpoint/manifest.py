@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -30,6 +31,7 @@ VERIFY_MODES = ("full", "size", "off")
 UNVERIFIED = "unverified"
 """``verify_step``'s answer for a step without a manifest (written by older code)."""
 _READ_BYTES = 8 * 2**20
+_RANK_FILE = re.compile(r"rank-\d+\.(json|safetensors)")
 
 Entry = list[object]
 """``[bytes, "<sha256 hex>"]``: one file of a manifest."""
@@ -91,9 +93,10 @@ def read_manifest(step_dir: Path) -> dict[str, Entry] | None:
 
 def verify_step(step_dir: Path, mode: str = "full") -> str:
     """Check ``step_dir``'s files against its manifest: ``""`` when they match (or ``mode`` is
-    ``off``), ``UNVERIFIED`` without a manifest, else one clause naming the first damaged file
-    (missing, another size, or with ``full`` another SHA-256). Reads every listed file with
-    ``full``, only their sizes with ``size``. Raises ValueError for an unknown ``mode``."""
+        ``off``), ``UNVERIFIED`` without a manifest, else one clause naming the first damaged file
+        (missing, another size, or with ``full`` another SHA-256). A missing per-rank file is not
+    damage: the start plans for lost per-rank files (``peers``). Reads every listed file with
+        ``full``, only their sizes with ``size``. Raises ValueError for an unknown ``mode``."""
     if mode not in VERIFY_MODES:
         raise ValueError(f"unknown verification mode {mode!r}; choose one of {VERIFY_MODES}")
     if mode == "off":
@@ -105,6 +108,8 @@ def verify_step(step_dir: Path, mode: str = "full") -> str:
     if files is None:
         return UNVERIFIED
     for name, entry in sorted(files.items()):
+        if _RANK_FILE.fullmatch(name) and not (step_dir / name).exists():
+            continue  # a lost rank's files: the plan serves them from a buddy copy or rebuilds
         if problem := _check_file(step_dir / name, entry, mode):
             return problem
     return ""
