@@ -44,6 +44,7 @@ from torchrun_ddp.compression import (
 from torchrun_ddp.compression.wire import diloco_payload_bytes
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import start
 from torchrun_ddp.methods.local_update_memory import memory_rows
@@ -61,7 +62,6 @@ from torchrun_ddp.optim.sparseloco_codec import (
     quantize,
     unpack_bits,
 )
-from torchrun_ddp.plan.dry_run import dry_run
 
 WORLD = 2
 SHAPES = [(24, 40), (130,), (7,)]
