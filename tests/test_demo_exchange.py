@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import run_distributed, tiny_args
+from distributed_harness import logged_losses, run_distributed, tiny_args
 from safetensors import safe_open
 from tiny_models import (
     accumulate_local_batches,
     digest,
     flat_parameters,
-    logged_losses,
     random_gradients,
     random_parameters,
     small_mlp,
