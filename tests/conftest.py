@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the C4 sample and tokenizer bundled in the repository's data/."""
+"""Shared pytest fixtures: the C4 sample and tokenizer bundled in the repository's data/, and the
+uninterrupted reference run that the fault and resume tests compare with."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distributed_harness import REFERENCE_STEPS, logged_losses, reference_args, torchrun  # noqa: E402
 
 SAMPLE_DATA = REPO / "data"
 
@@ -20,3 +22,16 @@ def sample_data() -> Path:
     if not (SAMPLE_DATA / "c4").is_dir():
         pytest.fail(f"bundled data not found at {SAMPLE_DATA}; is this a complete checkout?")
     return SAMPLE_DATA
+
+
+@pytest.fixture(scope="session")
+def reference_run(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of one uninterrupted torchrun run of ``reference_args`` (2 ranks),
+    made once per session: tests/test_faults.py and tests/test_resume.py compare every
+    interrupted run with it (losses and final weights, bit for bit). Tests may read it and may
+    start a run in it that must refuse to start, but must not change it."""
+    output_dir = tmp_path_factory.mktemp("reference")
+    result = torchrun(reference_args(sample_data, output_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(logged_losses(output_dir)) == list(range(1, REFERENCE_STEPS + 1))
+    return output_dir

@@ -8,11 +8,17 @@ rank. A worker that raises fails the test with its traceback; a group that hangs
 
 ``torchrun_command(args)`` / ``torchrun(args)`` run ``train.py`` under the real torchrun launcher
 (c10d rendezvous on a free loopback port), always with a timeout.
+
+``reference_args`` is the fault and resume tests' one training config (its uninterrupted run is
+conftest.py's session fixture ``reference_run``); ``logged_losses``, ``metrics_records``,
+``final_weights`` and ``assert_same_run`` read and compare runs' outputs; ``worker_pids`` finds a
+torchrun agent's workers.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import multiprocessing
 import os
 import socket
@@ -23,10 +29,12 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 420.0
@@ -80,6 +88,71 @@ def tiny_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
         "--output-dir", str(output_dir), *PEAK,
         *extra,
     ]  # fmt: skip
+
+
+REFERENCE_STEPS = 16
+
+
+def reference_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
+    """The fault and resume tests' one config: the 19.5M LLaMA of configs/tiny.toml, REFERENCE_STEPS
+    short steps (1 x 32 tokens per rank), a record every step, a checkpoint every 2, no held-out
+    evaluation but the last. The 19.5M model and not the hidden-64 one: the tests that signal a
+    run from outside (SIGTERM, the random SIGKILLs) need its slower steps (about 0.1 to 0.5 s on
+    2 cores) to land before the run ends; 16 steps leave the random kills room for three restarts.
+    """
+    return tiny_args(
+        sample_data, output_dir,
+        "--seq-length", "32", "--batch-size", "1", "--max-steps", str(REFERENCE_STEPS),
+        "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
+        "--checkpoint-every", "2", *extra,
+    )  # fmt: skip
+
+
+def metrics_records(output_dir: Path) -> list[dict[str, Any]]:
+    """Every record of a run's metrics.jsonl, in order ([] while the file does not exist); JSON
+    values, hence ``Any``."""
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def logged_losses(output_dir: Path) -> dict[int, float]:
+    """Step -> logged training loss of a run's metrics.jsonl ({} while it does not exist)."""
+    return {r["step"]: r["loss"] for r in metrics_records(output_dir) if "loss" in r}
+
+
+def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a run's exported final model (final_model/model.safetensors)."""
+    return load_file(output_dir / "final_model" / "model.safetensors")
+
+
+def assert_same_run(got: Path, expected: Path, steps: int | None = None) -> None:
+    """The same loss at every step (steps 1 to ``steps`` each logged, where given) and
+    bit-identical final weights."""
+    assert logged_losses(got) == logged_losses(expected)
+    if steps is not None:
+        assert sorted(logged_losses(got)) == list(range(1, steps + 1))
+    want, have = final_weights(expected), final_weights(got)
+    assert have.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(have[name], tensor), name
+
+
+def worker_pids(agent_pid: int) -> list[int]:
+    """PIDs of the train.py worker processes started by a torchrun agent."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == agent_pid and b"train.py" in cmdline:
+            found.append(int(entry.name))
+    return found
 
 
 def free_port() -> int:
@@ -202,4 +275,18 @@ def _kill(procs: list[mp.Process]) -> None:
         proc.join(timeout=5)
 
 
-__all__ = ["PEAK", "free_port", "run_distributed", "tiny_args", "torchrun", "torchrun_command"]
+__all__ = [
+    "PEAK",
+    "REFERENCE_STEPS",
+    "assert_same_run",
+    "final_weights",
+    "free_port",
+    "logged_losses",
+    "metrics_records",
+    "reference_args",
+    "run_distributed",
+    "tiny_args",
+    "torchrun",
+    "torchrun_command",
+    "worker_pids",
+]

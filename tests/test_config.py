@@ -95,11 +95,35 @@ def test_saved_config_round_trips(tmp_path: Path) -> None:
         (["--batch-size", "two"], "invalid int value"),
         (["--config", "missing.toml"], "does not exist"),
         (["--ddp-static-graph", "--accumulation-steps", "2"], "does not work with --accum"),
+        # DeMo
+        (["--optimizer", "demo", "--compression", "dct"], "--compression none"),
+        (["--optimizer", "demo", "--zero1"], "--zero1"),
+        (["--demo-beta", "1.0"], "--demo-beta"),
+        (["--demo-topk", "0"], "--demo-topk"),
+        # DiLoCo and SparseLoCo
+        (["--optimizer", "diloco", "--zero1"], "--zero1"),
+        (["--optimizer", "sparseloco", "--compression", "dct"], "--compression none"),
+        (["--quant-bits", "9"], "--quant-bits"),
+        (["--sparseloco-beta", "1"], "--sparseloco-beta"),
+        (["--outer-momentum", "1"], "--outer-momentum"),
+        (["--local-steps", "-1"], "--local-steps"),
+        (["--sparseloco-topk", "0"], "--sparseloco-topk"),
+        # --overlap-exchange and --sync-delay
+        (["--optimizer", "diloco", "--sync-delay", "2"], "--sync-delay"),
+        (["--optimizer", "diloco", "--overlap-exchange", "--sync-delay", "-1"], "--sync-delay"),
+        (["--overlap-exchange"], "does nothing for adamw"),
+        (["--optimizer", "demo", "--overlap-exchange", "--sync-delay", "2"], "--sync-delay"),
+        # node-aware exchange
+        (["--optimizer", "diloco", "--compression-scope", "inter-node"], "not diloco"),
     ],
 )
-def test_bad_values_are_rejected(argv: list[str], message: str) -> None:
-    with pytest.raises(UserError, match=message):
+def test_bad_values_are_rejected_in_one_line(argv: list[str], message: str) -> None:
+    """Each bad flag or combination is one UserError line naming it, raised by parse_config
+    (before any process group). The optimizer cases came from test_demo.py,
+    test_local_updates.py, test_local_update_overlap.py and test_demo_exchange.py."""
+    with pytest.raises(UserError, match=message) as error:
         parse_config(argv)
+    assert "\n" not in str(error.value)
 
 
 def test_a_switch_a_config_file_turned_on_is_turned_off_with_false(tmp_path: Path) -> None:

@@ -33,8 +33,6 @@ from torchrun_ddp.compression import (
     tile_shape,
     wire_bytes,
 )
-from torchrun_ddp.config_io import parse_config
-from torchrun_ddp.errors import UserError
 from torchrun_ddp.optim import (
     DeMo,
     DemoSettings,
@@ -276,21 +274,6 @@ def test_tile_codec_round_trip_and_separable_dct() -> None:
     tile = x[64:, :48]  # tile (1, 0) in row-major order of the grid
     energy = float(coeffs[2].square().sum())
     assert energy == pytest.approx(float(tile.square().sum()), rel=1e-5), "orthonormal 2-D DCT"
-
-
-@pytest.mark.parametrize(
-    ("flags", "needle"),
-    [
-        (["--optimizer", "demo", "--compression", "dct"], "--compression none"),
-        (["--optimizer", "demo", "--zero1"], "--zero1"),
-        (["--demo-beta", "1.0"], "--demo-beta"),
-        (["--demo-topk", "0"], "--demo-topk"),
-    ],
-)
-def test_demo_config_errors_are_one_line(flags: list[str], needle: str) -> None:
-    with pytest.raises(UserError) as caught:
-        parse_config(["--model", "x", *flags])
-    assert needle in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_memory_plan_counts_one_momentum() -> None:

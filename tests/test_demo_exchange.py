@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import run_distributed, tiny_args
+from distributed_harness import logged_losses, run_distributed, tiny_args
 from safetensors import safe_open
 from tiny_models import (
     accumulate_local_batches,
     digest,
     flat_parameters,
-    logged_losses,
     random_gradients,
     random_parameters,
     small_mlp,
@@ -44,6 +43,7 @@ from torchrun_ddp.compression.settings import CompressionSettings
 from torchrun_ddp.compression.wire import demo_payload_bytes, sparseloco_payload_bytes, wire_bytes
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv, NodeGroups, new_node_groups
+from torchrun_ddp.dry_run import trained_shapes
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.optim import (
     DeMo,
@@ -61,7 +61,6 @@ from torchrun_ddp.plan.communication import (
     estimate,
     predicted_step_seconds,
 )
-from torchrun_ddp.plan.dry_run import trained_shapes
 
 WORLD, PER_NODE = 4, 2
 NODES = WORLD // PER_NODE
@@ -399,17 +398,3 @@ def test_plan_node_aware_demo_uplink_is_30x_below_dense_at_8_by_8() -> None:
     expected = max(compute, uplink_s) + inside_s
     assert predicted_step_seconds(overlapped, compute) == pytest.approx(expected)
     assert predicted_step_seconds(aware, compute) == pytest.approx(compute + aware.seconds)
-
-
-@pytest.mark.parametrize(
-    ("flags", "needle"),
-    [
-        (["--overlap-exchange"], "does nothing for adamw"),
-        (["--optimizer", "demo", "--overlap-exchange", "--sync-delay", "2"], "--sync-delay"),
-        (["--optimizer", "diloco", "--compression-scope", "inter-node"], "not diloco"),
-    ],
-)
-def test_exchange_options_are_refused_in_one_line(flags: list[str], needle: str) -> None:
-    with pytest.raises(UserError, match=needle) as error:
-        parse_config(flags)
-    assert "\n" not in str(error.value)

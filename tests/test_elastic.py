@@ -19,7 +19,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from distributed_harness import PEAK, REPO, free_port, subprocess_env, torchrun, torchrun_command
+from distributed_harness import (
+    PEAK,
+    REPO,
+    free_port,
+    logged_losses,
+    subprocess_env,
+    torchrun,
+    torchrun_command,
+)
 
 pytestmark = pytest.mark.slow  # torchrun agents leave and join a running group
 
@@ -103,14 +111,6 @@ def _trained_after(log: str, marker: str) -> bool:
     return at >= 0 and re.search(r"\bstep \d+ \| loss", log[at:]) is not None
 
 
-def _losses(output_dir: Path) -> dict[int, float]:
-    path = output_dir / "metrics.jsonl"
-    if not path.is_file():
-        return {}
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
 def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) -> None:
     port = free_port()
     command = torchrun_command(_args(sample_data, tmp_path), 1, "1:2", port, RDZV)  # type: ignore[arg-type]
@@ -146,7 +146,7 @@ def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) ->
     assert "world size 2 -> 1: tokens per step 128 -> 128" in log_a, log_a[-4000:]
     assert "world size 1 -> 2: tokens per step 128 -> 128" in log_a, log_a[-4000:]
     assert "accumulation 2" in log_a and "accumulation 1" in log_a
-    losses = _losses(tmp_path)
+    losses = logged_losses(tmp_path)
     assert sorted(losses) == list(range(1, STEPS + 1))
     resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log_a)]
     assert len(resumed) == 2, log_a[-4000:]  # one after the kill, one after the join

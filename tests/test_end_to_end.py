@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import REPO, subprocess_env, tiny_args, torchrun
+from distributed_harness import REPO, metrics_records, subprocess_env, tiny_args, torchrun
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,13 +42,8 @@ def tiny_run(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return output_dir
 
 
-def _records(output_dir: Path) -> list[dict[str, float]]:
-    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
 def test_metrics_have_the_documented_keys(tiny_run: Path) -> None:
-    train = [r for r in _records(tiny_run) if "loss" in r]
+    train = [r for r in metrics_records(tiny_run) if "loss" in r]
     assert [r["step"] for r in train] == list(range(5, STEPS + 1, 5))
     for record in train:
         for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "peak_mem_bytes"):
@@ -62,7 +57,7 @@ def test_metrics_have_the_documented_keys(tiny_run: Path) -> None:
 
 
 def test_loss_falls_and_eval_is_finite(tiny_run: Path) -> None:
-    records = _records(tiny_run)
+    records = metrics_records(tiny_run)
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[0] > 9.0, "an untrained model starts near ln(32000) = 10.4"
     assert losses[-1] < losses[0] - 2.0, losses
@@ -96,7 +91,7 @@ def test_tensorboard_events_hold_the_logged_scalars(tiny_run: Path) -> None:
     events.Reload()
     tags = events.Tags()["scalars"]
     assert {"train/loss", "train/tokens_per_s", "train/mfu", "eval/eval_loss"} <= set(tags)
-    logged = {r["step"]: r["loss"] for r in _records(tiny_run) if "loss" in r}
+    logged = {r["step"]: r["loss"] for r in metrics_records(tiny_run) if "loss" in r}
     scalars = {e.step: e.value for e in events.Scalars("train/loss")}
     assert scalars == pytest.approx(logged)
 
@@ -129,7 +124,7 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_pa
         )  # fmt: skip
         result = torchrun(args)
         assert result.returncode == 0, result.stderr[-3000:]
-        steps = [r["step"] for r in _records(output) if "loss" in r]
+        steps = [r["step"] for r in metrics_records(output) if "loss" in r]
         assert "end of training data after" in result.stderr + result.stdout
         assert steps == list(range(log_every, steps[-1] + 1, log_every))
         last_steps[log_every] = steps[-1]
@@ -149,4 +144,4 @@ def test_without_torchrun_trains_as_one_process(sample_data: Path, tmp_path: Pat
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world_size 1" in result.stderr
-    assert [r["step"] for r in _records(tmp_path) if "loss" in r] == [1, 2]
+    assert [r["step"] for r in metrics_records(tmp_path) if "loss" in r] == [1, 2]

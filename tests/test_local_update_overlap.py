@@ -451,20 +451,6 @@ def test_memory_rows_keep_the_start_and_the_pseudo_gradient_in_flight() -> None:
     assert not any(row.persistent for row in waiting if row.name.startswith("sync:"))
 
 
-@pytest.mark.parametrize(
-    ("flags", "needle"),
-    [
-        (["--optimizer", "diloco", "--sync-delay", "2"], "--sync-delay"),
-        (["--optimizer", "diloco", "--overlap-exchange", "--sync-delay", "-1"], "--sync-delay"),
-        (["--overlap-exchange"], "does nothing for adamw"),
-    ],
-)
-def test_overlap_options_are_refused_in_one_line(flags: list[str], needle: str) -> None:
-    with pytest.raises(UserError, match=needle) as error:
-        parse_config(["--model", "x", *flags])
-    assert "\n" not in str(error.value)
-
-
 def test_a_delay_longer_than_a_window_is_refused(sample_data: Path, tmp_path: Path) -> None:
     argv = _trainer_args(str(sample_data), tmp_path, *DILOCO_FLAGS[:2], "--sync-delay", "4")
     config = parse_config(argv)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import REPO, run_distributed, tiny_args
+from distributed_harness import REPO, logged_losses, run_distributed, tiny_args
 from peft import PeftModel
 from safetensors import safe_open
-from tiny_models import comm_bytes, digest, evaluations, logged_losses, train_in_group
+from tiny_models import comm_bytes, digest, evaluations, train_in_group
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from torchrun_ddp.model import build_model

@@ -24,6 +24,7 @@ from torchrun_ddp.compression.wire import demo_payload_bytes, wire_bytes
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.dry_run import check_fits, communication_plan, plan_run, trained_shapes
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import (
     LoraSettings,
@@ -51,7 +52,6 @@ from torchrun_ddp.plan.communication import (
     predicted_step_seconds,
     state_bytes,
 )
-from torchrun_ddp.plan.dry_run import check_fits, communication_plan, plan_run, trained_shapes
 from torchrun_ddp.plan.fit import comparison_table, suggestions
 from torchrun_ddp.plan.memory import (
     GIB,

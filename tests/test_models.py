@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import run_distributed, tiny_args
-from tiny_models import TINY_MODELS, digest, logged_losses, tiny_model_path, train_in_group
+from distributed_harness import logged_losses, run_distributed, tiny_args
+from tiny_models import TINY_MODELS, digest, tiny_model_path, train_in_group
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from torchrun_ddp.compression import CompressionSettings, register_compression

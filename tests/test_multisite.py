@@ -11,10 +11,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from distributed_harness import REPO, free_port, run_distributed, subprocess_env, torchrun_command
+from distributed_harness import (
+    REPO,
+    free_port,
+    logged_losses,
+    run_distributed,
+    subprocess_env,
+    torchrun_command,
+)
 from test_elastic import _kill_tree, _listening, _wait_for
 from test_node_local import _argv, _train
-from tiny_models import digest, logged_losses
+from tiny_models import digest
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow  # torchrun agents, one killed and replaced

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed_harness import REPO, tiny_args
+from distributed_harness import REPO, metrics_records, tiny_args
 
 sys.path.insert(0, str(REPO))
 
@@ -26,10 +26,6 @@ def _args(sample_data: Path, out: Path, *extra: str) -> list[str]:
         "--max-steps", "3", "--log-every", "2", "--eval-every", "0", "--eval-batches", "1",
         "--checkpoint-every", "2", "--threads", "1", *extra,
     )  # fmt: skip
-
-
-def _records(out: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _snapshot(root: Path) -> dict[str, int]:
@@ -53,13 +49,13 @@ def test_run_id_is_in_the_folder_every_checkpoint_and_every_record(first_run: Pa
     for step in (2, 3):
         meta = json.loads((first_run / "checkpoints" / f"step-{step}" / "meta.json").read_text())
         assert meta["run_id"] == run_id
-    records = _records(first_run)
+    records = metrics_records(first_run)
     assert records and {r["run_id"] for r in records} == {run_id}
 
 
 def test_the_last_partial_log_window_is_written(first_run: Path) -> None:
     """max_steps 3 with log_every 2: the train loss of step 3 is logged at the end."""
-    assert [r["step"] for r in _records(first_run) if "loss" in r] == [2, 3]
+    assert [r["step"] for r in metrics_records(first_run) if "loss" in r] == [2, 3]
 
 
 def test_no_resume_in_another_runs_folder_is_refused_and_deletes_nothing(
@@ -107,13 +103,13 @@ def test_torn_metrics_line_resume_and_overwrite(
     with (out / "metrics.jsonl").open("a") as handle:
         handle.write('{"run_id": "' + run_id + '", "step": 4, "lo')
     assert train.main([*_args(sample_data, out), "--max-steps", "4"]) == 0
-    records = _records(out)
+    records = metrics_records(out)
     assert [r["step"] for r in records if "loss" in r] == [2, 3, 4]
     assert {r["run_id"] for r in records} == {run_id}
     assert train.main([*_args(sample_data, out), "--no-resume", "--overwrite-output-dir"]) == 0
     new_id = _run_id(out)
     assert new_id != run_id
-    assert {r["run_id"] for r in _records(out)} == {new_id}
+    assert {r["run_id"] for r in metrics_records(out)} == {new_id}
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-2", "step-3"]
     meta = json.loads((out / "checkpoints" / "step-3" / "meta.json").read_text())
     assert meta["run_id"] == new_id

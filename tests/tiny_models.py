@@ -72,12 +72,6 @@ def train_in_group(
     return trainer
 
 
-def logged_losses(output_dir: Path) -> dict[int, float]:
-    """Step -> logged training loss of a run's metrics.jsonl."""
-    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
-
-
 def evaluations(output_dir: Path) -> dict[int, float]:
     """Step -> held-out loss of a run's metrics.jsonl."""
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()

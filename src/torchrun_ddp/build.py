@@ -30,6 +30,7 @@ from torchrun_ddp.checkpoint import StorageLayout, detect_storage, find_latest, 
 from torchrun_ddp.compression import CompressionState
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv, new_node_groups, track_group
+from torchrun_ddp.dry_run import check_fits
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.lookahead import LookaheadBatches
 from torchrun_ddp.methods import Method, method_for
@@ -57,7 +58,6 @@ from torchrun_ddp.plan import (
     model_flops_per_token,
     parameter_count,
 )
-from torchrun_ddp.plan.dry_run import check_fits
 from torchrun_ddp.training_data import (
     PackedWindows,
     build_train_loader,

@@ -48,12 +48,12 @@ from torchrun_ddp.distributed import (
     setup_logging,
     shutdown_distributed,
 )
+from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point, perturbation
 from torchrun_ddp.metrics import any_rank, check_records, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context
-from torchrun_ddp.plan.dry_run import dry_run
 from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
 from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import save, save_final_model

@@ -3,7 +3,7 @@
 Each method (``base.Method``) owns its settings (one validated section of the config), its build
 (the DDP comm hook and the optimizer), its state in checkpoints (shared, per rank, sharded) with
 the rules for another world size or a lost rank, its identity keys, and its rows in the
-``--dry-run`` plan. ``main``, ``build``, ``training_state`` and ``plan.dry_run`` ask the method
+``--dry-run`` plan. ``main``, ``build``, ``training_state`` and ``dry_run`` ask the method
 and never test which one it is. A new method is one module here and one line in :data:`METHODS`.
 
 Modules: ``base`` (the interface), ``exchanging`` (methods whose optimizer exchanges itself),

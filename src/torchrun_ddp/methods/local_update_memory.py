@@ -1,7 +1,7 @@
 """Per-rank memory that DiLoCo and SparseLoCo add beyond the inner AdamW, for --dry-run plans.
 
 Rows in bytes, from the parameter shapes and ``optim.LocalUpdateSettings``; the DiLoCo and
-SparseLoCo methods answer ``Method.memory_rows`` with them, and ``plan.dry_run`` prints them next to
+SparseLoCo methods answer ``Method.memory_rows`` with them, and ``dry_run`` prints them next to
 the model's memory plan.
 """
 

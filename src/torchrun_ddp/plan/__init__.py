@@ -5,14 +5,13 @@ Modules: ``architecture`` (decoder sizes of any causal LM config, the meta-devic
 parameter counts, training FLOPs per token, LLaMA-2-7B's config), ``memory`` (the per-rank
 memory and FLOP plan, full fine-tuning and LoRA), ``fit`` (setting changes that make a plan
 fit, plans side by side), ``communication`` (every method's wire bytes, link time and state
-memory: DDP's comm hooks, DeMo, DiLoCo, SparseLoCo; the bandwidth model) and ``dry_run`` (the
-``--dry-run`` report and ``check_fits``, which refuses a run that does not fit; it asks the
-training method, ``methods``, for the method's rows, so import it as ``plan.dry_run``: the
-package itself exports only the calculators, which ``methods`` builds on).
+memory: DDP's comm hooks, DeMo, DiLoCo, SparseLoCo; the bandwidth model). These calculators are
+what ``methods`` builds its plan rows on; the ``--dry-run`` report that composes them with the
+training method is ``torchrun_ddp.dry_run``.
 
 Imports: ``config``, ``distributed`` (its environment type), ``errors``, ``model`` (loading a
 model's config, LoRA on the meta model, precision dtypes), and the settings and cost model of
-``compression``; ``dry_run`` also ``methods``. It runs no collective and touches no device.
+``compression``. It runs no collective and touches no device.
 """
 
 from torchrun_ddp.plan.architecture import (

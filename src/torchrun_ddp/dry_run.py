@@ -1,10 +1,11 @@
 """Before a run: the per-rank memory and FLOP plan, the communication plan (--dry-run), and the
 fit check that refuses a run that would not fit the device.
 
-Composes the rest of the ``plan`` package: ``architecture`` (meta-device model, sizes, FLOPs),
+Composes the ``plan`` package's calculators: ``architecture`` (meta-device model, sizes, FLOPs),
 ``memory`` (memory rows), ``fit`` (setting changes that fit), ``communication`` (wire bytes and
-link time per method); with ``model``'s LoRA on the meta device and
-the methods' settings (``compression``, ``optim``). Nothing is allocated or downloaded.
+link time), with ``model``'s LoRA on the meta device and the training method's own rows
+(``methods``: its memory, communication and checkpoint bytes). Nothing is allocated or
+downloaded.
 """
 
 from __future__ import annotations
