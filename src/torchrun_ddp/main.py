@@ -226,7 +226,7 @@ def check_loss(loss: float, step: int, max_loss: float) -> None:
     bound = "not finite" if not math.isfinite(loss) else f"above --max-loss {max_loss:g}"
     raise UserError(
         f"the training loss is {loss:g} at step {step} ({bound}): stopped without a checkpoint "
-        "or final_model; resume the last good checkpoint with a lower --lr or more "
+        "or final_model; resume the last good checkpoint with a lower --learning-rate or more "
         "--warmup-steps"
     )
 
