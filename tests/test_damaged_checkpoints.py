@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from distributed_harness import PEAK, REPO, run_distributed, tiny_args, torchrun
-from tiny_models import digest, logged_losses, train_in_group
+from distributed_harness import PEAK, REPO, logged_losses, run_distributed, tiny_args, torchrun
+from tiny_models import digest, train_in_group
 
 from torchrun_ddp.checkpoint import MANIFEST, inventory, verify_step
 from torchrun_ddp.checkpoint.manifest import UNVERIFIED
