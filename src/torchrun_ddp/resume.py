@@ -215,5 +215,5 @@ def resume_resharded(
     dropped = trainer.compression.load_resharded(cast(Mapping, entry))
     if dropped:
         log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
-    trainer.method.load_resharded(trainer.model, path, trainer.env.rank)
+    trainer.method.load_resharded(trainer.model, path, saved, trainer.env.rank)
     seed_rng(f"{trainer.config.seed}:{trainer.step}:{trainer.env.rank}")

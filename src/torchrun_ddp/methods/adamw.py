@@ -23,7 +23,6 @@ from torchrun_ddp.checkpoint import (
     Stateful,
     load_owned_shards,
     load_rank_states,
-    read_meta,
 )
 from torchrun_ddp.compression import (
     CompressionSettings,
@@ -115,7 +114,9 @@ class AdamWMethod(Method):
         """A ZeRO-1 shard cannot be rebuilt; AdamW's replicated state needs no rebuilding."""
         return "a ZeRO-1 optimizer shard cannot be rebuilt" if self.config.zero1 else ""
 
-    def load_resharded(self, model: DistributedDataParallel, path: Path, rank: int) -> None:
+    def load_resharded(
+        self, model: DistributedDataParallel, path: Path, saved: Mapping[str, object], rank: int
+    ) -> None:
         """ZeRO-1 at another world size: hyperparameters as rank 0's (the tensors came through
         DCP, or from the ranks' files when a folder per node held them)."""
         sharded = self.zero1
@@ -123,7 +124,7 @@ class AdamWMethod(Method):
             return
         adapter = ShardedOptimizer(sharded, model)
         adapter.load_state_dict(cast("Mapping", load_rank_states(path, "optimizer", [0])[0]))
-        if read_meta(path).get("zero1_in_rank_files"):
+        if saved.get("zero1_in_rank_files"):
             load_owned_shards(path, adapter)
 
     def describe(self) -> str:

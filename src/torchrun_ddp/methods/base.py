@@ -13,6 +13,7 @@ comm-hook family and ZeRO-1), :mod:`.demo`, :mod:`.diloco` and :mod:`.sparseloco
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -175,9 +176,12 @@ class Method:
         per parameter group). Returns what was reset, for the warning; nothing by default."""
         return []
 
-    def load_resharded(self, model: DistributedDataParallel, path: Path, rank: int) -> None:
-        """Per-rank state from the checkpoint at ``path`` written at another world size (the
-        shared and sharded state are loaded already); logs what is dropped."""
+    def load_resharded(
+        self, model: DistributedDataParallel, path: Path, saved: Mapping[str, object], rank: int
+    ) -> None:
+        """Per-rank state from the checkpoint at ``path`` written at another world size
+        (``saved``: its meta; the shared and sharded state are loaded already); logs what is
+        dropped."""
 
     # -- the plan ------------------------------------------------------------------------------
 

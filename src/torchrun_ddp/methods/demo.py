@@ -102,7 +102,9 @@ class DeMoMethod(ExchangingMethod):
         LocalMomentum(self.demo).load_reset(cast("Mapping[str, object] | None", donor), lrs)
         return ["DeMo momentum reset to zero"]
 
-    def load_resharded(self, model: DistributedDataParallel, path: Path, rank: int) -> None:
+    def load_resharded(
+        self, model: DistributedDataParallel, path: Path, saved: Mapping[str, object], rank: int
+    ) -> None:
         """Per-rank momentum saved by W ranks cannot be shared by W' ranks: it restarts."""
         log.warning(
             "DeMo momentum (and an --overlap-exchange update in flight) saved at another world "

@@ -14,7 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from torchrun_ddp.checkpoint import Stateful, load_rank_states, read_meta
+from torchrun_ddp.checkpoint import Stateful, load_rank_states
 from torchrun_ddp.compression import CompressionState
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
@@ -118,10 +118,12 @@ class LocalUpdatesMethod(ExchangingMethod):
         """The inner optimizer's state exists nowhere else."""
         return f"the {self.name} inner optimizer state cannot be rebuilt"
 
-    def load_resharded(self, model: DistributedDataParallel, path: Path, rank: int) -> None:
+    def load_resharded(
+        self, model: DistributedDataParallel, path: Path, saved: Mapping[str, object], rank: int
+    ) -> None:
         """New rank ``r`` takes old rank ``r mod W_old``'s inner AdamW state; what cannot carry
         over is dropped with a warning (``optim.RankState.load_resharded``)."""
-        old_rank = rank % int(read_meta(path)["world_size"])
+        old_rank = rank % int(cast("int", saved["world_size"]))
         saved = load_rank_states(path, "optimizer", [old_rank])[0]
         dropped = RankState(self.local_updates).load_resharded(cast("Mapping[str, object]", saved))
         log.warning(
