@@ -47,7 +47,6 @@ class AdamWMethod(Method):
     (fused, foreach or for-loop), optionally ZeRO-1. ``hook``: the comm hook's settings."""
 
     name = "adamw"
-    exchanges_itself = False
 
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)

@@ -12,7 +12,6 @@ comm-hook family and ZeRO-1), :mod:`.demo`, :mod:`.diloco` and :mod:`.sparseloco
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +64,6 @@ class PlanSizes:
     world_size: int
     shapes: tuple[tuple[int, ...], ...]
 
-    @property
-    def largest(self) -> int:
-        """Elements of the largest trained parameter."""
-        return max((math.prod(shape) for shape in self.shapes), default=0)
-
 
 class Method:
     """One training method (subclasses name it in ``name``; ``methods.METHODS`` is the table).
@@ -82,9 +76,6 @@ class Method:
 
     name: ClassVar[str] = ""
     """``--optimizer``'s value."""
-    exchanges_itself: ClassVar[bool] = True
-    """The optimizer runs its own exchange: DDP's hook keeps each rank's gradient (or its node's
-    mean) instead of averaging it."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config

@@ -13,7 +13,8 @@ from torchrun_ddp.methods.base import Method
 
 
 class ExchangingMethod(Method):
-    """A method whose optimizer exchanges itself (``exchanges_itself``)."""
+    """A method whose optimizer exchanges itself: DDP's hook keeps each rank's gradient (or its
+    node's mean) instead of averaging it (``Method.register_hook``'s default)."""
 
     node_aware: bool = True
     """Whether ``--compression-scope inter-node`` gives it a node-aware exchange."""
