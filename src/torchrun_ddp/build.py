@@ -1,6 +1,7 @@
 """Setting a run up, for ``main``: inputs checked before any process group, the checkpoint
 folders' storage domains, the DDP model with the training method's comm hook and optimizer
-(``methods``), and this rank's training and held-out data.
+(``methods``) or the model sharded by FSDP (``parallelize``, --data-parallel), and this rank's
+training and held-out data.
 
 Like main.py, this module composes the components (model, data, methods, checkpoint, metrics);
 they do not import each other.
@@ -27,7 +28,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from torchrun_ddp.checkpoint import StorageLayout, detect_storage, find_latest, read_meta
-from torchrun_ddp.compression import CompressionState
+from torchrun_ddp.compression import CompressionState, ShardedExchange
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv, new_node_groups, track_group
 from torchrun_ddp.dry_run import check_fits
@@ -41,6 +42,7 @@ from torchrun_ddp.metrics import (
     device_peak_flops,
 )
 from torchrun_ddp.model import (
+    PRECISION_DTYPES,
     apply_lora,
     build_model,
     compile_model,
@@ -53,6 +55,13 @@ from torchrun_ddp.model import (
     wrap_ddp,
 )
 from torchrun_ddp.optim import build_scheduler
+from torchrun_ddp.parallelize import (
+    build_mesh,
+    load_from_rank0,
+    materialize,
+    mesh_shape,
+    shard_model,
+)
 from torchrun_ddp.plan import (
     matmul_parameter_count,
     model_flops_per_token,
@@ -89,6 +98,8 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     check_device(config.device)
     if config.compression_scope == "inter-node":
         check_node_layout(env)
+    if config.data_parallel != "ddp":  # the mesh must divide the ranks
+        mesh_shape(config.data_parallel, env.world_size, env.local_world_size, config.shard_degree)
     model_config = load_model_config(config.model)
     check_causal_lm(model_config, config.model)
     limit = max_positions(model_config)
@@ -272,7 +283,63 @@ def checkpoint_storage(config: TrainConfig, env: DistEnv) -> StorageLayout:
     )
     if storage.group is not None:
         track_group(storage.group)
+    if config.data_parallel != "ddp" and not storage.shared:
+        raise UserError(
+            f"--checkpoint-dir {checkpoint_root(config)} is a folder per node or site, which "
+            f"--data-parallel {config.data_parallel} does not support yet (a folder would hold "
+            "only its ranks' shards); use one shared folder (--checkpoint-storage shared)"
+        )
     return storage
+
+
+def build_sharded_model(
+    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv, method: Method
+) -> tuple[torch.nn.Module, CompressionState]:
+    """Collective: the model sharded by FSDP2 over --data-parallel's mesh (``parallelize``),
+    and the method's state for it (``Method.register_sharded``). Rank 0 builds the weights
+    (seeded as under DDP, or pretrained) on the host, the other ranks the shapes on the meta
+    device; rank 0's weights are then scattered to the shards."""
+    host = torch.device("cpu") if env.rank == 0 else torch.device("meta")
+    model = build_model(
+        config.model, inputs.model_config, config.init, config.precision, config.seed, host
+    )
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    rank0_state = materialize(model)
+    shape = mesh_shape(
+        config.data_parallel, env.world_size, env.local_world_size, config.shard_degree
+    )
+    mesh = build_mesh(device, shape, hybrid=config.data_parallel == "hsdp")
+    units = shard_model(model, mesh, config.precision)
+    load_from_rank0(model, device, rank0_state)
+    del rank0_state
+    gather_dtype = torch.bfloat16 if config.precision != "fp32" else torch.float32
+    exchange = ShardedExchange(
+        parameters=sum(trainable_parameter_sizes(model)),
+        gathered=units.gathered,
+        shard=shape.shard,
+        replicate=shape.replicate,
+        micro_batches=config.accumulation_steps,
+        gather_bytes=gather_dtype.itemsize,
+        reduce_bytes=PRECISION_DTYPES[config.precision].itemsize,
+    )
+    log.info(
+        "--data-parallel %s: %d decoder-layer units + root on a mesh of %d x %d ranks "
+        "(replicate x shard)",
+        config.data_parallel, units.layers, shape.replicate, shape.shard,
+    )  # fmt: skip
+    return model, method.register_sharded(model, exchange)
+
+
+def build_parallel_model(
+    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv, method: Method
+) -> tuple[torch.nn.Module, torch.nn.Module, CompressionState]:
+    """(the model, what the loop runs: its DDP wrapper or the sharded model itself, the
+    method's state) for --data-parallel."""
+    if config.data_parallel == "ddp":
+        return build_ddp_model(config, device, inputs, env, method)
+    model, compression = build_sharded_model(config, device, inputs, env, method)
+    return model, model, compression
 
 
 def build_ddp_model(
@@ -380,7 +447,8 @@ class Trainer:
     config: TrainConfig
     env: DistEnv
     device: torch.device
-    model: DistributedDataParallel
+    model: torch.nn.Module
+    """What the loop runs: the DDP wrapper, or the model sharded by FSDP (--data-parallel)."""
     method: Method
     """The training method (``methods``): it built the comm hook and the optimizer."""
     optimizer: Optimizer
@@ -421,7 +489,7 @@ def build_trainer(
     rank;
     ``storage``: its checkpoint folders (``checkpoint_storage``)."""
     method = method_for(config)
-    model, ddp_model, compression = build_ddp_model(config, device, inputs, env, method)
+    model, ddp_model, compression = build_parallel_model(config, device, inputs, env, method)
     optimizer = method.build(model, compression)
     scheduler = build_scheduler(
         optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr

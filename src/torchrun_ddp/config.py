@@ -323,6 +323,16 @@ class TrainConfig:
         400.0, "--dry-run: sustained training TFLOP/s per rank for the compute time."
     )
     powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank gradient approximation.")
+    data_parallel: str = _opt(
+        "ddp",
+        "ddp: every rank holds the whole model (DDP); fsdp: weights, gradients and AdamW state "
+        "sharded over all ranks (FSDP2); hsdp: sharded within --shard-degree ranks, replicated "
+        "across those groups (see docs/sharded.md).",
+        choices=["ddp", "fsdp", "hsdp"],
+    )
+    shard_degree: int = _opt(
+        0, "--data-parallel hsdp: ranks one replica is sharded over; 0 means LOCAL_WORLD_SIZE."
+    )
     zero1: bool = _opt(
         False,
         "Shard AdamW's state across the data-parallel ranks (ZeRO stage 1, torch's "

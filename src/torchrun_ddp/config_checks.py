@@ -20,7 +20,7 @@ _NON_NEGATIVE += ("max_bad_records", "train_timeout_s", "buddy_copies", "max_los
 _NON_NEGATIVE += ("device_memory_gib", "peak_tflops")
 _POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit", "plan_tflops")
 _POSITIVE += ("plan_gpus_per_node",)
-_NON_NEGATIVE += ("plan_world_size",)
+_NON_NEGATIVE += ("plan_world_size", "shard_degree")
 
 
 def validate(config: TrainConfig) -> None:
@@ -41,11 +41,48 @@ def _validate_combinations(config: TrainConfig) -> None:
     if config.min_lr > config.learning_rate:
         raise UserError("--min-lr must not exceed --learning-rate")
     _validate_lora(config)
+    _validate_data_parallel(config)
     check_methods(config)
     if config.ddp_static_graph and config.accumulation_steps > 1:
         raise UserError(
             "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "
             "crashes under no_sync with a static graph, pytorch/pytorch#143580); drop one of them"
+        )
+
+
+_NOT_SHARDED = {
+    "zero1": "--zero1 shards AdamW's state over DDP replicas; --data-parallel {dp} already "
+    "shards it with the weights and gradients: drop --zero1",
+    "ddp_static_graph": "--ddp-static-graph is a DDP setting; drop it under --data-parallel {dp}",
+    "compile": "--compile is not supported under --data-parallel {dp} yet; drop --compile",
+}
+"""Flags refused under --data-parallel fsdp/hsdp -> the one line that says so ({dp}: the mode)."""
+
+
+def _validate_data_parallel(config: TrainConfig) -> None:
+    """Reject settings that do not go with --data-parallel (the method checks its own)."""
+    mode = config.data_parallel
+    if config.shard_degree and mode != "hsdp":
+        raise UserError(f"--shard-degree applies to --data-parallel hsdp only, not {mode}")
+    if mode == "ddp":
+        return
+    for name, message in _NOT_SHARDED.items():
+        if getattr(config, name):
+            raise UserError(message.format(dp=mode))
+    if config.peft != "none":
+        raise UserError(
+            f"--peft {config.peft} is not supported under --data-parallel {mode} yet; use "
+            "--data-parallel ddp (LoRA's base is frozen: a 7B model fits one 24 GB GPU)"
+        )
+    if config.compression_scope != "global":
+        raise UserError(
+            f"--compression-scope {config.compression_scope} is a DDP comm-hook setting; use "
+            f"--compression-scope global under --data-parallel {mode}"
+        )
+    if config.checkpoint_storage == "node-local":
+        raise UserError(
+            f"--checkpoint-storage node-local is not supported under --data-parallel {mode} "
+            "yet (a node's folder would hold only its ranks' shards); use a shared folder"
         )
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from torchrun_ddp.build import (
@@ -54,6 +53,7 @@ from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point, perturbation
 from torchrun_ddp.metrics import any_rank, check_records, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context
+from torchrun_ddp.parallelize import clip_grad_norm, no_gradient_sync
 from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
 from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import save, save_final_model
@@ -232,20 +232,22 @@ def check_loss(loss: float, step: int, max_loss: float) -> None:
 
 
 def forward_backward(
-    model: DistributedDataParallel, batches: list[torch.Tensor], precision: str = "fp32"
+    model: torch.nn.Module, batches: list[torch.Tensor], precision: str = "fp32"
 ) -> torch.Tensor:
     """Accumulate gradients over the micro-batches; returns the step's mean loss (detached).
 
     Each micro-batch's loss is divided by their number, so the accumulated gradient equals one
-    large batch's (every window has the same token count). Gradients are all-reduced only on the
-    last micro-batch; ``no_sync`` skips communication on the others. The forward runs under
+    large batch's (every window has the same token count). Gradients are all-reduced (DDP) or
+    reduce-scattered (FSDP) only on the last micro-batch; ``parallelize.no_gradient_sync``
+    (DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync``) skips it on the others. The
+    forward runs under
     ``autocast_context(precision)`` (bf16-mixed: bfloat16 matmuls); backward runs outside it, as
     torch's AMP recipe says.
     """
     total = torch.zeros((), device=batches[0].device)
     for index, input_ids in enumerate(batches):
         last = index == len(batches) - 1
-        with nullcontext() if last else model.no_sync():
+        with nullcontext() if last else no_gradient_sync(model):
             with autocast_context(precision, input_ids.device):
                 loss = model(input_ids=input_ids, labels=input_ids).loss / len(batches)
             loss.backward()
@@ -259,8 +261,7 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
     fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
     if perturbation("nan-loss") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
         loss = loss * math.nan
-    params = trainer.model.parameters()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.config.max_grad_norm)
+    grad_norm = clip_grad_norm(trainer.model, trainer.config.max_grad_norm)
     trainer.optimizer.step()
     trainer.scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)

@@ -1,5 +1,5 @@
-"""Build the causal LM (pretrained weights or a seeded random init), add LoRA adapters, wrap it in
-DDP.
+"""Build the causal LM (pretrained weights, a seeded random init, or its shapes on the meta
+device), add LoRA adapters, wrap it in DDP (sharding: ``parallelize``).
 
 Any architecture ``AutoModelForCausalLM`` builds works: LLaMA (Touvron et al. 2023, "Llama 2")
 is the default, and GPT-2, Mistral, Qwen2 and Mixtral (mixture of experts) are tested. LoRA (Hu
@@ -118,9 +118,15 @@ def build_model(
 
     ``init="pretrained"`` loads weights with ``from_pretrained`` (HF_TOKEN is read from the
     environment by huggingface_hub); ``init="random"`` builds the architecture from ``config``
-    after ``torch.manual_seed(seed)``, so every rank starts from the same weights.
+    after ``torch.manual_seed(seed)``, so every rank starts from the same weights. On the
+    ``meta`` device only the shapes are built (no weights read or drawn), whatever ``init``.
     """
     torch_dtype = weight_dtype(precision, peft)
+    if device.type == "meta":  # shapes only: the ranks that receive rank 0's weights (FSDP)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        model.config.use_cache = False
+        return model
     if init == "pretrained":
         try:
             model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch_dtype)
@@ -320,20 +326,25 @@ def lora_settings(config: TrainConfig) -> LoraSettings:
 
 
 def export_final_model(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, output: Path, lora: bool
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    output: Path,
+    lora: bool,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``output/final_model`` (safetensors + tokenizer) and return it; call on one rank.
 
     Under LoRA it first writes the adapter to ``output/adapter`` (peft's ``save_pretrained``),
     then merges it into the base weights (``save_lora_outputs``): ``final_model`` is then a plain
-    model that ``AutoModelForCausalLM.from_pretrained`` loads.
+    model that ``AutoModelForCausalLM.from_pretrained`` loads. ``state_dict``: the weights to
+    write instead of ``model``'s own (a sharded model's, gathered onto this rank).
     """
     target = output / "final_model"
     if lora:
         save_lora_outputs(model, output / "adapter", target)
         log.info("saved the LoRA adapter to %s", output / "adapter")
     else:
-        model.save_pretrained(target, safe_serialization=True)
+        model.save_pretrained(target, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(target)
     log.info("saved the final model to %s", target)
     return target

@@ -36,6 +36,7 @@ from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import perturbation
 from torchrun_ddp.methods import method_for
+from torchrun_ddp.parallelize import mesh_shape, replica_groups
 from torchrun_ddp.training_data import data_position
 from torchrun_ddp.training_state import rank_state, run_identity, sharded_state, shared_state
 
@@ -52,7 +53,8 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     if plan.path is None:
         return
     path = Path(plan.path)
-    saved = {**trainer.method.identity_defaults(), **read_meta(path)}
+    defaults = {"data_parallel": "ddp", **trainer.method.identity_defaults()}
+    saved = {**defaults, **read_meta(path)}
     check_compatible(saved, run_identity(trainer))
     same_layout = same_data_layout(trainer, saved)
     in_files = bool(saved.get("zero1_in_rank_files"))
@@ -63,7 +65,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     if perturbation("replica") == trainer.env.rank:  # tests only (TORCHRUN_DDP_PERTURB)
         with torch.no_grad():
             next(trainer.model.parameters()).add_(1.0)
-    check_replicas(shared, str(path))  # before any rank's own state changes it
+    check_replicas(shared, str(path), replicas(trainer))  # before any rank's own state changes
     trainer.step = int(saved["step"])
     trainer.tokens_seen = int(saved["tokens_seen"])
     trainer.data_since = saved.get("data_since") if same_layout else trainer.step
@@ -75,6 +77,16 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     else:
         load_rank_state(trainer, per_rank, path, in_files)
     log.info("resumed from %s at step %d", path, trainer.step)
+
+
+def replicas(trainer: Trainer) -> list[list[int]] | None:
+    """The ranks that hold the same shared state: every rank under DDP (None), the ranks of one
+    shard under --data-parallel fsdp/hsdp (``parallelize.replica_groups``)."""
+    config, env = trainer.config, trainer.env
+    if config.data_parallel == "ddp":
+        return None
+    dp, degree = config.data_parallel, config.shard_degree
+    return replica_groups(mesh_shape(dp, env.world_size, env.local_world_size, degree))
 
 
 def load_rank_state(

@@ -27,6 +27,7 @@ from torchrun_ddp.checkpoint import (
 )
 from torchrun_ddp.distributed import collective_timeout
 from torchrun_ddp.model import export_final_model, lora_settings
+from torchrun_ddp.parallelize import full_state_dict, is_sharded, unwrap
 from torchrun_ddp.training_data import DATA_ORDER
 
 log = logging.getLogger("torchrun_ddp")
@@ -72,7 +73,8 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
     config = trainer.config
     identity: dict[str, object] = {
         "model": model_fingerprint(trainer.model),
-        "vocab_size": trainer.model.module.config.vocab_size,
+        "vocab_size": unwrap(trainer.model).config.vocab_size,
+        "data_parallel": config.data_parallel,
         "compression": config.compression,
         "optimizer": config.optimizer,
         "seq_length": config.seq_length,
@@ -119,10 +121,14 @@ def save(trainer: Trainer) -> Path:
 
 def save_final_model(trainer: Trainer) -> None:
     """Rank 0 writes ``<output_dir>/final_model`` (``model.export_final_model``: merged
-    weights under LoRA, safetensors, with the tokenizer); all ranks wait for it."""
+    weights under LoRA, safetensors, with the tokenizer); all ranks wait for it. A sharded
+    model's weights are first gathered onto rank 0's host (``parallelize.full_state_dict``,
+    collective)."""
     config = trainer.config
     with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
+        weights = full_state_dict(trainer.model) if is_sharded(trainer.model) else None
         if trainer.env.is_main:
             output, lora = Path(config.output_dir), config.peft == "lora"
-            export_final_model(trainer.model.module, trainer.tokenizer, output, lora)
+            model = unwrap(trainer.model)
+            export_final_model(model, trainer.tokenizer, output, lora, state_dict=weights)
         dist.barrier()

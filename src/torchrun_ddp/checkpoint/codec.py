@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 TENSOR = "__tensor__"
 TUPLE = "__tuple__"
@@ -72,11 +73,13 @@ def tensor_keys(tree: object) -> set[str]:
 
 def untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached tensors, cloning any that share memory with an earlier one (tied weights):
-    safetensors refuses to write shared storage."""
+    safetensors refuses to write shared storage. A DTensor (a shard of FSDP's) is compared by
+    its local shard."""
     seen: set[tuple[str, int]] = set()
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        storage = (str(tensor.device), tensor.untyped_storage().data_ptr())
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = (str(local.device), local.untyped_storage().data_ptr())
         out[key] = tensor.detach().clone() if storage in seen else tensor.detach()
         seen.add(storage)
     return out

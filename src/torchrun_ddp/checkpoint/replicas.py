@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torchrun_ddp.checkpoint.adapters import Stateful
 from torchrun_ddp.checkpoint.codec import split_tree
@@ -27,28 +28,35 @@ log = logging.getLogger("torchrun_ddp")
 
 def state_digest(shared: Mapping[str, Stateful]) -> str:
     """SHA-256 (hex) of every tensor of ``{name: obj.state_dict()}`` (any dtype and device; its
-    key, dtype, shape and bytes, by sorted key). Copies each tensor to the CPU once."""
+    key, dtype, shape and bytes, by sorted key; a DTensor by this rank's shard). Copies each
+    tensor to the CPU once."""
     tensors: dict[str, torch.Tensor] = {}
     split_tree({name: obj.state_dict() for name, obj in shared.items()}, "", tensors)
     digest = hashlib.sha256()
     for key in sorted(tensors):
-        tensor = tensors[key].detach().cpu().contiguous().reshape(-1)
+        tensor = tensors[key].detach()
+        tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        tensor = tensor.cpu().contiguous().reshape(-1)
         digest.update(f"{key}|{tensor.dtype}|{tuple(tensors[key].shape)}|".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
-def check_replicas(shared: Mapping[str, Stateful], source: str) -> None:
+def check_replicas(
+    shared: Mapping[str, Stateful], source: str, groups: list[list[int]] | None = None
+) -> None:
     """Collective (every rank, one all-gather): compare the ranks' ``state_digest`` of the
-    replicated state just loaded from ``source`` (named in the line).
+    replicated state just loaded from ``source`` (named in the line). ``groups``: the ranks that
+    hold the same state (a sharded model: the ranks of one shard; default: every rank).
 
-    Raises UserError on every rank, naming the ranks whose state differs from rank 0's, when
-    any does."""
+    Raises UserError on every rank, naming the ranks whose state differs from their group's
+    first rank's, when any does."""
     started = time.perf_counter()
     mine = state_digest(shared)
     _, world = rank_and_world()
     every = [str(d) for d in all_gather_json(mine)] if dist.is_initialized() else [mine]
-    differ = [rank for rank in range(world) if every[rank] != every[0]]
+    groups = groups or [list(range(world))]
+    differ = sorted(rank for group in groups for rank in group if every[rank] != every[group[0]])
     log.info("replicas compared after the resume in %.2f s", time.perf_counter() - started)
     if differ:
         ranks = ", ".join(map(str, differ))

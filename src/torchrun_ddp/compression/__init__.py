@@ -36,10 +36,12 @@ from torchrun_ddp.compression.transform import (
     tile_shape,
 )
 from torchrun_ddp.compression.wire import (
+    ShardedExchange,
     dct_payload_bytes,
     demo_payload_bytes,
     dense_wire_bytes,
     diloco_payload_bytes,
+    sharded_step_bytes,
     sparseloco_payload_bytes,
     topk_break_even_world_size,
     topk_payload_bytes,
@@ -55,6 +57,7 @@ __all__ = [
     "BlockLayout",
     "CompressionSettings",
     "CompressionState",
+    "ShardedExchange",
     "StepBytes",
     "block_layout",
     "compression_hook",
@@ -71,6 +74,7 @@ __all__ = [
     "powersgd_slices",
     "register_compression",
     "register_local_gradients",
+    "sharded_step_bytes",
     "sparseloco_payload_bytes",
     "tile_shape",
     "topk_break_even_world_size",

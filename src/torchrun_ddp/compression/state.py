@@ -28,7 +28,12 @@ from torchrun_ddp.compression.settings import (
     validate_settings,
 )
 from torchrun_ddp.compression.transform import BlockLayout
-from torchrun_ddp.compression.wire import dense_wire_bytes, wire_bytes
+from torchrun_ddp.compression.wire import (
+    ShardedExchange,
+    dense_wire_bytes,
+    sharded_step_bytes,
+    wire_bytes,
+)
 
 if TYPE_CHECKING:
     from torchrun_ddp.distributed import NodeGroups
@@ -250,6 +255,14 @@ class CompressionState:
             round(dense_wire_bytes(numel, self.world_size)),
             nbytes,
         )
+
+    def count_sharded_exchange(self, exchange: ShardedExchange) -> None:
+        """Count FSDP's collectives (no comm hook) analytically, once per optimizer step, like
+        :meth:`count_builtin_all_reduce`: ``sharded_step_bytes`` of ``exchange``, next to a
+        dense fp32 all-reduce of its trained parameters over all ranks."""
+        wire, collective = sharded_step_bytes(exchange)
+        dense = dense_wire_bytes(exchange.parameters, self.world_size)
+        self.builtin_step_bytes = StepBytes(round(wire), round(dense), collective)
 
     def pop_step_bytes(self) -> StepBytes:
         """Return this step's byte counts (rounded to whole bytes) and reset them to 0."""

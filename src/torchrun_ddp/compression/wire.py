@@ -15,6 +15,7 @@ bytes only while ``G < 2 S / p``.
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -166,3 +167,36 @@ def diloco_payload_bytes(numel: int, dtype: torch.dtype) -> int:
     """Bytes DiLoCo hands to its all-reduce per sync: the pseudo-gradient of ``numel`` trained
     values in ``dtype`` (fp32 or bf16); wire bytes at ``W`` ranks: ``2 (W - 1) / W`` times this."""
     return numel * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ShardedExchange:
+    """FSDP's exchange in one optimizer step, in the sizes the ring model needs: ``parameters``
+    trained (elements over the whole model), ``gathered`` elements all-gathered per micro-batch
+    (each unit before its forward and again before its backward; the root unit once), a mesh of
+    ``replicate`` groups of ``shard`` ranks, ``micro_batches`` per step, and the bytes of one
+    gathered value (``gather_bytes``: bf16 under bf16-mixed) and one reduced gradient value
+    (``reduce_bytes``)."""
+
+    parameters: int
+    gathered: int
+    shard: int
+    replicate: int
+    micro_batches: int
+    gather_bytes: int
+    reduce_bytes: int
+
+
+def sharded_step_bytes(exchange: ShardedExchange) -> tuple[float, int]:
+    """(wire bytes one rank sends, bytes it hands to collectives) in one step of FSDP: every
+    micro-batch all-gathers the units within the shard group, the last one reduce-scatters the
+    gradients there, and under hsdp each gradient shard is then all-reduced over the replicate
+    group (torch's FSDP2 collectives; ring model of this module)."""
+    ex = exchange
+    gathered = ex.micro_batches * ex.gathered * ex.gather_bytes / ex.shard  # this rank's parts
+    reduced = ex.parameters * ex.reduce_bytes
+    wire = wire_bytes("all_gather", gathered, ex.shard)
+    wire += wire_bytes("reduce_scatter", reduced, ex.shard)
+    wire += wire_bytes("all_reduce", reduced / ex.shard, ex.replicate)
+    replicated = reduced / ex.shard if ex.replicate > 1 else 0.0
+    return wire, round(gathered + reduced + replicated)

@@ -27,6 +27,7 @@ from torchrun_ddp.checkpoint import (
 from torchrun_ddp.compression import (
     CompressionSettings,
     CompressionState,
+    ShardedExchange,
     compression_settings,
     register_compression,
 )
@@ -56,6 +57,13 @@ class AdamWMethod(Method):
     def check_config(cls, config: TrainConfig) -> None:
         """The comm hook's settings (``compression.validate_settings``), whatever --optimizer."""
         compression_settings(config)
+        sharded = config.data_parallel != "ddp"
+        if sharded and config.optimizer == cls.name and config.compression != "none":
+            raise UserError(
+                f"--compression {config.compression} is a DDP comm hook; under --data-parallel "
+                f"{config.data_parallel} FSDP exchanges the gradient shards itself: use "
+                "--compression none"
+            )
         if config.overlap_exchange and config.optimizer == cls.name:
             raise UserError(
                 "--overlap-exchange delays the exchange of --optimizer demo, diloco or "
@@ -67,6 +75,16 @@ class AdamWMethod(Method):
     ) -> CompressionState:
         """The ``--compression`` comm hook (``compression.register_compression``)."""
         return register_compression(ddp_model, self.hook, node_groups=node_groups)
+
+    def register_sharded(
+        self, model: torch.nn.Module, exchange: ShardedExchange
+    ) -> CompressionState:
+        """No comm hook: FSDP reduce-scatters the gradients (and all-reduces the shards over
+        the replicate group under hsdp); the state counts those bytes analytically
+        (``CompressionState.count_sharded_exchange``)."""
+        state = CompressionState(self.hook, model.parameters())
+        state.count_sharded_exchange(exchange)
+        return state
 
     def build_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
         """torch's AdamW over two parameter groups (``optim.build_optimizer``), ZeRO-1 with

@@ -2,12 +2,12 @@
 ask which method a run uses.
 
 A method is one object (:class:`Method`), made from the run's config (:func:`methods.method_for`)
-with its settings validated once. ``build`` registers its DDP comm hook and builds its optimizer;
-after that the object answers for its state in checkpoints (shared, per rank, sharded), its
-identity keys, what happens to its per-rank state at another world size or when no folder holds
-it, and its rows in the ``--dry-run`` plan. The four methods: :mod:`.adamw` (AdamW with the
-comm-hook family and ZeRO-1), :mod:`.demo`, :mod:`.diloco` and :mod:`.sparseloco` (the last two on
-:mod:`.local_updates`).
+with its settings validated once. ``build`` registers its DDP comm hook (sharded by FSDP:
+``register_sharded``) and builds its optimizer; after that the object answers for its state in
+checkpoints (shared, per rank, sharded), its identity keys, what happens to its per-rank state
+at another world size or when no folder holds it, and its rows in the ``--dry-run`` plan. The
+four methods: :mod:`.adamw` (AdamW with the comm-hook family and ZeRO-1), :mod:`.demo`,
+:mod:`.diloco` and :mod:`.sparseloco` (the last two on :mod:`.local_updates`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from torchrun_ddp.checkpoint import ShardedOptimizer, Stateful
-from torchrun_ddp.compression import CompressionSettings, CompressionState, register_local_gradients
+from torchrun_ddp.compression import (
+    CompressionSettings,
+    CompressionState,
+    ShardedExchange,
+    register_local_gradients,
+)
 from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.errors import UserError
 from torchrun_ddp.plan.communication import CommEstimate, Topology
 
 if TYPE_CHECKING:
@@ -96,6 +102,17 @@ class Method:
         bytes: by default the hook that keeps each rank's gradient (or its node's mean) for an
         optimizer that exchanges itself (``compression.register_local_gradients``)."""
         return register_local_gradients(ddp_model, node_groups=node_groups)
+
+    def register_sharded(
+        self, model: torch.nn.Module, exchange: ShardedExchange
+    ) -> CompressionState:
+        """The state that counts the wire bytes of a model sharded by FSDP (``--data-parallel
+        fsdp|hsdp``; ``exchange``: its collectives' sizes). A method that cannot train sharded
+        refuses it in ``check_config``; this default raises the same UserError."""
+        raise UserError(
+            f"--optimizer {self.name} does not run under --data-parallel "
+            f"{self.config.data_parallel} yet; use --optimizer adamw or --data-parallel ddp"
+        )
 
     def build(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
         """Build and keep this rank's optimizer over ``model``'s trained parameters, counting any

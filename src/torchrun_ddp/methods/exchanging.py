@@ -22,7 +22,14 @@ class ExchangingMethod(Method):
     @classmethod
     def check_exchange(cls, config: TrainConfig) -> None:
         """Raise UserError for settings an optimizer that communicates itself cannot run with:
-        a comm hook on top, ZeRO-1, or a node-aware scope it has no exchange for."""
+        a comm hook on top, ZeRO-1, a node-aware scope it has no exchange for, or a sharded
+        model (its exchange works on whole replicas)."""
+        if config.data_parallel != "ddp":
+            raise UserError(
+                f"--optimizer {cls.name} does not run under --data-parallel "
+                f"{config.data_parallel} yet (its exchange works on whole replicas); use "
+                "--optimizer adamw or --data-parallel ddp"
+            )
         if config.compression_scope != "global" and not cls.node_aware:
             raise UserError(
                 f"--compression-scope {config.compression_scope} works with --optimizer adamw, "
