@@ -17,7 +17,7 @@ import math
 import torch
 from transformers import PretrainedConfig
 
-from torchrun_ddp.compression import compression_settings
+from torchrun_ddp.compression import ShardedExchange, compression_settings, sharded_step_bytes
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
@@ -63,11 +63,13 @@ def plan_settings(
         activation_checkpointing=config.activation_checkpointing,
         device_memory_gib=memory_gib,
         ddp_bucket_cap_mb=config.ddp_bucket_cap_mb,
-        gradient_as_bucket_view=config.gradient_as_bucket_view,
+        gradient_as_bucket_view=config.gradient_as_bucket_view and config.data_parallel == "ddp",
         accumulation_steps=config.accumulation_steps,
         fused_adamw=config.adamw_implementation == "fused",
         adapter_sizes=adapter_sizes,
         optimizer=config.optimizer,
+        data_parallel=config.data_parallel,
+        shard_degree=config.shard_degree or min(config.plan_gpus_per_node, world_size),
     )
 
 
@@ -222,7 +224,35 @@ def communication_plan(
     )
     bucket = config.ddp_bucket_cap_mb * 2**20
     table = communication_table(methods, sizes, topo, compute_s, first, shapes, bucket)
-    return "\n".join([header, table])
+    return "\n".join([header, *sharded_traffic(config, sizes, world, per_node), table])
+
+
+def sharded_traffic(config: TrainConfig, sizes: list[int], world: int, per_node: int) -> list[str]:
+    """Under --data-parallel fsdp/hsdp, one line: FSDP's wire bytes per rank and step
+    (``compression.sharded_step_bytes``: every micro-batch all-gathers the units, layers twice
+    and the root once, then the gradients are reduce-scattered, under hsdp also all-reduced over
+    the replicas); the table's rows are then DDP's comm hooks, for comparison. [] under ddp."""
+    if config.data_parallel == "ddp":
+        return []
+    parameters = sum(sizes)
+    root = max(sizes)  # the embedding (and an untied head as large): the root unit's bulk
+    shard = world if config.data_parallel == "fsdp" else config.shard_degree or per_node
+    exchange = ShardedExchange(
+        parameters=parameters,
+        gathered=2 * parameters - root,
+        shard=shard,
+        replicate=world // shard,
+        micro_batches=config.accumulation_steps,
+        gather_bytes=4 if config.precision == "fp32" else 2,
+        reduce_bytes=PRECISION_DTYPES[config.precision].itemsize,
+    )
+    wire, _ = sharded_step_bytes(exchange)
+    return [
+        f"--data-parallel {config.data_parallel} ({world // shard} x {shard} ranks): FSDP sends "
+        f"{wire / 1e6:.4g} MB per rank per step (all-gathers of every micro-batch, one "
+        "reduce-scatter, and under hsdp the shards' all-reduce across replicas); the rows below "
+        "are DDP's comm hooks, for comparison"
+    ]
 
 
 def run_estimate(

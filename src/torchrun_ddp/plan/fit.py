@@ -19,12 +19,16 @@ _FLAGS: dict[str, Callable[[PlanSettings], PlanSettings | None]] = {
         replace(s, precision="bf16-mixed") if s.precision == "fp32" else None
     ),
     "--precision bf16": lambda s: replace(s, precision="bf16") if s.precision != "bf16" else None,
-    "--zero1": lambda s: None if s.zero1 or s.optimizer != "adamw" else replace(s, zero1=True),
+    "--zero1": lambda s: (
+        None if s.zero1 or s.optimizer != "adamw" or s.shard_ranks > 1 else replace(s, zero1=True)
+    ),
     "--activation-checkpointing": lambda s: (
         None if s.activation_checkpointing else replace(s, activation_checkpointing=True)
     ),
     "--gradient-as-bucket-view": lambda s: (
-        None if s.gradient_as_bucket_view else replace(s, gradient_as_bucket_view=True)
+        None
+        if s.gradient_as_bucket_view or s.shard_ranks > 1
+        else replace(s, gradient_as_bucket_view=True)
     ),
 }
 """Setting changes ``suggestions`` tries: each returns the changed settings, or None when the
@@ -120,8 +124,8 @@ def _nothing_fits(
     config: PretrainedConfig, parameters: int, base: PlanSettings, sizes: Sequence[int] | None
 ) -> str:
     """Why no combination fits: the smallest plan and its replicated floor. ZeRO-1 is part of
-    it only under AdamW (DeMo, DiLoCo and SparseLoCo refuse --zero1)."""
-    zero1 = base.optimizer == "adamw"
+    it only under AdamW with DDP (DeMo, DiLoCo, SparseLoCo and a sharded model refuse --zero1)."""
+    zero1 = base.optimizer == "adamw" and base.shard_ranks == 1
     smallest = replace(
         base,
         precision="bf16",
@@ -133,13 +137,20 @@ def _nothing_fits(
     )
     plan = plan_memory(config, parameters, smallest, sizes)
     floor = (plan.weights + plan.gradients) / GIB
+    if base.shard_ranks > 1:
+        return (
+            f"no combination fits in {base.device_memory_gib:g} GiB: even bf16 + activation "
+            f"checkpointing at micro-batch 1 on {MAX_WORLD_SIZE} GPUs needs "
+            f"{plan.total / GIB:.1f} GiB per rank; shard over more ranks or use GPUs with "
+            "more memory"
+        )
     return (
         f"no combination fits in {base.device_memory_gib:g} GiB: even bf16 + "
         f"{'zero1 + ' if zero1 else ''}activation checkpointing + gradient_as_bucket_view at "
         f"micro-batch 1 on {MAX_WORLD_SIZE} GPUs "
         f"needs {plan.total / GIB:.1f} GiB per rank, because DDP replicates the weights and "
-        f"gradients ({floor:.1f} GiB) on every rank; shard them (FSDP / ZeRO-3) or use GPUs "
-        "with more memory"
+        f"gradients ({floor:.1f} GiB) on every rank; shard them (--data-parallel fsdp) or use "
+        "GPUs with more memory"
     )
 
 

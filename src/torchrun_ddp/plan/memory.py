@@ -98,6 +98,20 @@ class PlanSettings:
     optimizer: str = "adamw"
     """``adamw`` (two moments per trained parameter) or ``demo`` (DeMo: one fp32 momentum per
     trained parameter, plus per-parameter transform buffers in its step)."""
+    data_parallel: str = "ddp"
+    """``ddp`` (every rank a whole replica), ``fsdp`` (weights, gradients and AdamW moments
+    sharded over all ``world_size`` ranks) or ``hsdp`` (sharded over ``shard_degree`` ranks)."""
+    shard_degree: int = 0
+    """hsdp: ranks one replica is sharded over (0: ``world_size``, as fsdp)."""
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks the weights, gradients and optimizer state are sharded over (1 under ddp)."""
+        if self.data_parallel == "ddp":
+            return 1
+        if self.data_parallel == "hsdp" and self.shard_degree:
+            return self.shard_degree
+        return self.world_size
 
     @property
     def lora(self) -> bool:
@@ -124,6 +138,7 @@ class PlanSettings:
         """A one-line label, e.g. ``bf16-mixed + zero1 + checkpointing, 8 x 80 GiB, micro-batch
         4 x 512 tokens``."""
         parts = [self.precision]
+        parts += [f"{self.data_parallel} over {self.shard_ranks}"] if self.shard_ranks > 1 else []
         parts += ["zero1"] if self.zero1 else []
         parts += ["checkpointing"] if self.activation_checkpointing else []
         parts += ["grad bucket view"] if self.gradient_as_bucket_view else []
@@ -293,6 +308,9 @@ class MemoryPlan:
     flops_per_token: float
     compression_state: int = 0
     compression_buffers: int = 0
+    gathered_units: int = 0
+    """FSDP: the units all-gathered at once (the root, kept from forward to backward, and two
+    decoder layers: the one computing and the one prefetched), in the compute dtype."""
     phases: dict[str, int] = field(default_factory=dict)
     approximate: tuple[str, ...] = ()
     """Rows estimated by analogy rather than derived for this architecture: ``activations``
@@ -313,7 +331,7 @@ class MemoryPlan:
         """Every row added up, bytes: what a plan that ignored the timing would claim."""
         rows = (self.weights, self.gradients, self.ddp_buckets, self.optimizer_state)
         rows += (self.optimizer_step_temporaries, self.autocast_weight_copies)
-        rows += (self.compression_state, self.compression_buffers)
+        rows += (self.compression_state, self.compression_buffers, self.gathered_units)
         return sum(rows) + self.activations + self.overhead
 
     @property
@@ -337,6 +355,12 @@ class MemoryPlan:
             return f"fits, {self.headroom / GIB:.1f} GiB headroom"
         return f"does not fit, {-self.headroom / GIB:.1f} GiB short"
 
+    def _bucket_label(self, buckets: int, views: str) -> str:
+        """The DDP-buckets row's name (none under FSDP, which has no buckets)."""
+        if self.settings.shard_ranks > 1:
+            return "DDP buckets (none: FSDP reduce-scatters unit by unit)"
+        return f"DDP buckets (about {buckets} of {self.settings.ddp_bucket_cap_mb:g} MiB{views})"
+
     def table(self) -> str:
         """The plan as a Markdown table in GiB per rank, with the verdict."""
         cap = self.settings.ddp_bucket_cap_mb
@@ -349,17 +373,20 @@ class MemoryPlan:
         if self.settings.optimizer == "demo":
             state, step = "DeMo momentum", "DeMo tile transforms, largest parameter"
         weights, trained = "weights", ""
+        if self.settings.shard_ranks > 1:
+            weights = f"weights (a 1/{self.settings.shard_ranks} shard)"
         if self.settings.lora:
             base = "fp32" if self.settings.precision == "fp32" else "bf16"
             weights, trained = f"weights (frozen {base} base + fp32 LoRA adapters)", " of adapters"
         rows = [
             (weights, self.weights),
             (f"gradients{trained}", self.gradients),
-            (f"DDP buckets (about {buckets} of {cap:g} MiB{views})", self.ddp_buckets),
+            (self._bucket_label(buckets, views), self.ddp_buckets),
             (f"optimizer state ({state}{trained})", self.optimizer_state),
             (f"optimizer step temporaries ({step})", self.optimizer_step_temporaries),
             ("activations (per micro-batch, with the loss)", self.activations),
             ("autocast bf16 weight copies", self.autocast_weight_copies),
+            ("FSDP gathered units (root + 2 layers, compute dtype)", self.gathered_units),
             ("compression state (error-feedback residuals)", self.compression_state),
             ("compression buffers (payloads, decode; end of backward)", self.compression_buffers),
             ("overhead (CUDA context, NCCL / process baseline)", self.overhead),
@@ -419,6 +446,8 @@ def plan_memory(
         )
     if settings.lora:
         return _lora_plan(arch, parameters, settings, active_parameters)
+    if settings.shard_ranks > 1:
+        return _sharded_plan(arch, parameters, settings, active_parameters)
     size = _PRECISION_BYTES[settings.precision]
     shard = parameters
     if settings.zero1:
@@ -490,6 +519,50 @@ def _lora_plan(
     return replace(plan, phases=_phases(plan, activations, copies))
 
 
+def _sharded_plan(
+    arch: Architecture, parameters: int, settings: PlanSettings, active: int | None
+) -> MemoryPlan:
+    """``plan_memory`` under FSDP (``settings.shard_ranks`` = S > 1): each rank keeps a 1/S
+    shard of the weights, the gradients and the AdamW moments (FSDP2 pads each tensor's rows to
+    a multiple of S: at most S - 1 rows more, not counted). Units are gathered in the compute
+    dtype (bf16 under bf16-mixed) one layer at a time: the root unit (embedding, final norm,
+    head) stays gathered from forward to backward, plus the layer computing and the one
+    prefetched (``gathered_units``); the gradient of one unit is reduce-scattered at a time, in
+    the reduce dtype (the compression-buffer row). Under gradient accumulation the micro-batches
+    before the last keep each unit's unsharded gradient (``set_requires_gradient_sync(False)``):
+    a whole model's gradients in float32 (in the gradients row). No autocast copies (the
+    gathered units are already bf16) and no DDP buckets.
+    """
+    size = _PRECISION_BYTES[settings.precision]
+    shards = settings.shard_ranks
+    shard = math.ceil(parameters / shards)
+    compute = 4 if settings.precision == "fp32" else 2
+    root = arch.vocab * arch.hidden * (1 if arch.tied_embeddings else 2) + arch.hidden
+    layer = (parameters - root) // max(arch.layers, 1)
+    unsharded = parameters * size.grad if settings.accumulation_steps > 1 else 0
+    activations = activation_estimate(arch, settings)
+    plan = MemoryPlan(
+        settings=settings,
+        parameters=parameters,
+        weights=shard * size.weight,
+        gradients=shard * size.grad + unsharded,
+        ddp_buckets=0,
+        optimizer_state=_state_bytes(settings, size.moment) * shard,
+        optimizer_step_temporaries=_step_temporaries(settings, size.moment * shard, [shard]),
+        autocast_weight_copies=0,
+        activations=activations.saved + activations.loss_backward,
+        overhead=int(settings.overhead_gib * GIB),
+        compression_state=settings.compression_state_bytes,
+        compression_buffers=settings.compression_buffer_bytes + max(root, layer) * size.grad,
+        gathered_units=(root + 2 * layer) * compute,
+        flops_per_token=model_flops_per_token(
+            active or parameters, arch.layers, arch.hidden, settings.seq_length
+        ),
+        approximate=() if arch.exact else ("activations",),
+    )
+    return replace(plan, phases=_phases(plan, activations, 0))
+
+
 DEMO_STEP_COPIES = 5
 """fp32 copies of one parameter alive at once in DeMo's step: its momentum's DCT coefficients,
 the sent coefficients and their inverse, then the decode's sum, sender count and inverse."""
@@ -513,7 +586,7 @@ def _step_temporaries(settings: PlanSettings, moment_bytes: int, sizes: Sequence
 def _phases(plan: MemoryPlan, act: ActivationEstimate, copies_backward: int) -> dict[str, int]:
     """Bytes per rank at four moments of a step (see ``plan_memory``)."""
     persistent = plan.weights + plan.ddp_buckets + plan.optimizer_state + plan.overhead
-    persistent += plan.compression_state
+    persistent += plan.compression_state + plan.gathered_units
     settings = plan.settings
     kept = settings.accumulation_steps > 1 or settings.gradient_as_bucket_view
     held = plan.gradients if kept else 0

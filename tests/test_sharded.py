@@ -1,0 +1,195 @@
+"""--data-parallel fsdp and hsdp (``parallelize``): the real trainer on 2 spawned gloo ranks
+gives DDP's losses, averages the gradients, resumes exactly and exports a Hugging Face model; the
+settings it does not support are refused in one line; the plan shards the state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_harness import final_weights, logged_losses, run_distributed, tiny_args
+from tiny_models import digest, tiny_llama_config, tiny_model_path, train_in_group
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.dry_run import dry_run, plan_run
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.main import forward_backward
+from torchrun_ddp.model import build_model
+from torchrun_ddp.parallelize import (
+    MeshShape,
+    build_mesh,
+    clip_grad_norm,
+    load_from_rank0,
+    materialize,
+    mesh_shape,
+    shard_model,
+)
+from torchrun_ddp.plan.architecture import llama2_7b_config
+
+STEPS, STOP = 8, 4
+CPU = torch.device("cpu")
+
+
+def _args(data: Path, output: Path, *extra: str) -> list[str]:
+    """The hidden-64 LLaMA, 8 steps of 2 micro-batches of 2 x 16 tokens per rank."""
+    return tiny_args(
+        data, output,
+        "--model", str(tiny_model_path("llama")), "--seq-length", "16", "--batch-size", "2",
+        "--accumulation-steps", "2", "--warmup-steps", "2", "--log-every", "1",
+        "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", str(STOP),
+        "--learning-rate", "3e-3", "--max-steps", str(STEPS), *extra,
+    )  # fmt: skip
+
+
+def _gradients_worker(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Tied embeddings and an odd vocabulary (uneven shards): one backward of this rank's own
+    batch through the fsdp model; returns the full gradients and (rank 0) the full weights."""
+    config = tiny_llama_config(vocab_size=131)
+    config.tie_word_embeddings = True
+    host = CPU if rank == 0 else torch.device("meta")
+    model = build_model("tiny", config, "random", "fp32", 7, host)
+    state = materialize(model)
+    mesh = build_mesh(CPU, MeshShape(1, world_size), hybrid=False)
+    shard_model(model, mesh, "fp32")
+    load_from_rank0(model, CPU, state)
+    batch = torch.randint(0, 131, (2, 12), generator=torch.Generator().manual_seed(rank))
+    forward_backward(model, list(batch.chunk(2)), "fp32")
+    norm = clip_grad_norm(model, 1e9)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    weights = {n: p.full_tensor() for n, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    return {"grads": grads, "weights": weights, "buffers": buffers, "norm": norm, "tied": tied}
+
+
+def _runs_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str, object]:
+    """ddp, fsdp and hsdp (2 replicas of 1 shard) for STEPS steps, and fsdp stopped at STOP then
+    resumed: one spawn for the module."""
+    out: dict[str, object] = {"gradients": _gradients_worker(rank, world_size)}
+    for name, extra in RUNS.items():
+        trainer = train_in_group(rank, world_size, _args(Path(data), root / name, *extra))
+        out[name] = isinstance(trainer.model.lm_head.weight, DTensor) if name != "ddp" else None
+    resumed = ("--data-parallel", "fsdp", "--max-steps", str(STOP))
+    train_in_group(rank, world_size, _args(Path(data), root / "stopped", *resumed))
+    train_in_group(rank, world_size, _args(Path(data), root / "stopped", "--data-parallel", "fsdp"))
+    return out
+
+
+RUNS = {
+    "ddp": (),
+    "fsdp": ("--data-parallel", "fsdp"),
+    "hsdp": ("--data-parallel", "hsdp", "--shard-degree", "1"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    root = tmp_path_factory.mktemp("sharded")
+    return root, run_distributed(_runs_worker, 2, str(sample_data), root, timeout=600)
+
+
+@pytest.mark.slow
+def test_fsdp_and_hsdp_give_ddp_losses(runs: tuple[Path, list]) -> None:
+    root, results = runs
+    ddp = logged_losses(root / "ddp")
+    assert sorted(ddp) == list(range(1, STEPS + 1))
+    assert ddp[STEPS] < ddp[1] - 0.1, ddp  # it trains
+    for name in ("fsdp", "hsdp"):
+        assert results[0][name], f"{name}: the trainer's model is not sharded"
+        losses = logged_losses(root / name)
+        assert sorted(losses) == sorted(ddp)
+        for step, loss in ddp.items():
+            assert losses[step] == pytest.approx(loss, abs=2e-5), (name, step)
+        want, have = final_weights(root / "ddp"), final_weights(root / name)
+        assert have.keys() == want.keys()
+        for key, tensor in want.items():
+            torch.testing.assert_close(have[key], tensor, atol=1e-4, rtol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_fsdp_resume_is_exact(runs: tuple[Path, list]) -> None:
+    root, _ = runs
+    assert logged_losses(root / "stopped") == logged_losses(root / "fsdp")
+    assert digest(final_weights(root / "stopped")) == digest(final_weights(root / "fsdp"))
+
+
+@pytest.mark.slow
+def test_fsdp_averages_gradients_from_rank0_weights(runs: tuple[Path, list]) -> None:
+    _, results = runs
+    got = [result["gradients"] for result in results]
+    assert got[0]["tied"] and got[1]["tied"]
+    config = tiny_llama_config(vocab_size=131)
+    config.tie_word_embeddings = True
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config)
+    for name, weight in model.named_parameters():
+        assert torch.equal(got[1]["weights"][name], weight.detach()), name
+    for name, buffer in model.named_buffers():
+        assert torch.equal(got[1]["buffers"][name], buffer), name
+    for rank in range(2):
+        batch = torch.randint(0, 131, (2, 12), generator=torch.Generator().manual_seed(rank))
+        forward_backward(model, list(batch.chunk(2)), "fp32")
+    for name, param in model.named_parameters():  # the sum of both ranks' means, halved
+        want = param.grad / 2
+        for rank in range(2):
+            torch.testing.assert_close(got[rank]["grads"][name], want, atol=1e-6, rtol=1e-5)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() / 2 for p in model.parameters()]))
+    torch.testing.assert_close(got[0]["norm"], norm, atol=1e-6, rtol=1e-5)
+
+
+REFUSED = {
+    ("--zero1",): "--zero1",
+    ("--compression", "dct"): "--compression dct",
+    ("--optimizer", "demo"): "--optimizer demo",
+    ("--optimizer", "diloco"): "--optimizer diloco",
+    ("--optimizer", "sparseloco"): "--optimizer sparseloco",
+    ("--peft", "lora"): "--peft lora",
+    ("--compile",): "--compile",
+    ("--ddp-static-graph", "--accumulation-steps", "1"): "--ddp-static-graph",
+    ("--compression-scope", "inter-node"): "--compression-scope inter-node",
+    ("--checkpoint-storage", "node-local"): "--checkpoint-storage node-local",
+}
+
+
+@pytest.mark.parametrize("flags", list(REFUSED), ids=" ".join)
+def test_unsupported_settings_are_refused_in_one_line(
+    flags: tuple[str, ...], sample_data: Path, tmp_path: Path
+) -> None:
+    args = _args(sample_data, tmp_path, "--data-parallel", "fsdp", *flags)
+    with pytest.raises(UserError) as refused:
+        parse_config(args)
+    message = str(refused.value)
+    assert REFUSED[flags] in message and "\n" not in message, message
+    parse_config(_args(sample_data, tmp_path, *flags))  # fine under ddp
+
+
+def test_shard_degree_needs_hsdp_and_must_divide_the_ranks(sample_data: Path) -> None:
+    with pytest.raises(UserError, match="--shard-degree applies to --data-parallel hsdp"):
+        parse_config(_args(sample_data, Path("out"), "--shard-degree", "2"))
+    assert mesh_shape("hsdp", 8, 4) == MeshShape(2, 4)
+    assert mesh_shape("hsdp", 8, 4, 2) == MeshShape(4, 2)
+    assert mesh_shape("fsdp", 8, 4) == MeshShape(1, 8)
+    with pytest.raises(UserError, match="does not divide WORLD_SIZE 6"):
+        mesh_shape("hsdp", 6, 4)
+
+
+def test_7b_plan_fits_8_x_24_gib_only_sharded() -> None:
+    base = (
+        "--config", "configs/llama2_7b.toml", "--zero1", "false", "--compression", "none",
+        "--device-memory-gib", "24",
+    )  # fmt: skip
+    ddp = parse_config(list(base))
+    fsdp = parse_config([*base, "--data-parallel", "fsdp"])
+    model = llama2_7b_config()
+    replicated, _ = plan_run(ddp, model, 8, 24.0)
+    sharded, _ = plan_run(fsdp, model, 8, 24.0)
+    assert not replicated.fits and sharded.fits, (replicated.total, sharded.total)
+    state = sharded.weights + sharded.optimizer_state
+    whole = replicated.weights + replicated.optimizer_state
+    assert state == pytest.approx(whole / 8, rel=0.01)
+    text = dry_run(fsdp, DistEnv(rank=0, world_size=8, local_rank=0, local_world_size=8))
+    assert "fsdp" in text and "verdict | fits" in text, text
