@@ -18,7 +18,7 @@ from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import dry_run, plan_run
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import forward_backward
-from torchrun_ddp.model import build_model
+from torchrun_ddp.model import build_model, enable_activation_checkpointing
 from torchrun_ddp.parallelize import (
     MeshShape,
     build_mesh,
@@ -45,25 +45,38 @@ def _args(data: Path, output: Path, *extra: str) -> list[str]:
     )  # fmt: skip
 
 
-def _gradients_worker(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """Tied embeddings and an odd vocabulary (uneven shards): one backward of this rank's own
-    batch through the fsdp model; returns the full gradients and (rank 0) the full weights."""
+def _sharded_tiny(rank: int, world_size: int, precision: str) -> torch.nn.Module:
+    """The tiny LLaMA with tied embeddings and an odd vocabulary (uneven shards), sharded over
+    ``world_size`` ranks from rank 0's seeded weights (activation checkpointing under
+    bf16-mixed)."""
     config = tiny_llama_config(vocab_size=131)
     config.tie_word_embeddings = True
     host = CPU if rank == 0 else torch.device("meta")
-    model = build_model("tiny", config, "random", "fp32", 7, host)
+    model = build_model("tiny", config, "random", precision, 7, host)
+    if precision == "bf16-mixed":
+        enable_activation_checkpointing(model)
     state = materialize(model)
-    mesh = build_mesh(CPU, MeshShape(1, world_size), hybrid=False)
-    shard_model(model, mesh, "fp32")
+    shard_model(model, build_mesh(CPU, MeshShape(1, world_size), hybrid=False), precision)
     load_from_rank0(model, CPU, state)
+    return model
+
+
+def _gradients_worker(rank: int, world_size: int) -> dict[str, object]:
+    """One backward of this rank's own batch (2 micro-batches) through the fsdp model in fp32
+    and in bf16-mixed with activation checkpointing; the full gradients, the gradient norm,
+    and the full weights and buffers as initialised."""
+    out: dict[str, object] = {}
     batch = torch.randint(0, 131, (2, 12), generator=torch.Generator().manual_seed(rank))
-    forward_backward(model, list(batch.chunk(2)), "fp32")
-    norm = clip_grad_norm(model, 1e9)
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    weights = {n: p.full_tensor() for n, p in model.named_parameters()}
-    buffers = dict(model.named_buffers())
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    return {"grads": grads, "weights": weights, "buffers": buffers, "norm": norm, "tied": tied}
+    for precision in ("fp32", "bf16-mixed"):
+        model = _sharded_tiny(rank, world_size, precision)
+        if precision == "fp32":
+            out["weights"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+            out["buffers"] = dict(model.named_buffers())
+            out["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+        forward_backward(model, list(batch.chunk(2)), precision)
+        out[f"norm {precision}"] = clip_grad_norm(model, 1e9)
+        out[f"grads {precision}"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return out
 
 
 def _runs_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str, object]:
@@ -136,9 +149,21 @@ def test_fsdp_averages_gradients_from_rank0_weights(runs: tuple[Path, list]) -> 
     for name, param in model.named_parameters():  # the sum of both ranks' means, halved
         want = param.grad / 2
         for rank in range(2):
-            torch.testing.assert_close(got[rank]["grads"][name], want, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got[rank]["grads fp32"][name], want, atol=1e-6, rtol=1e-5)
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() / 2 for p in model.parameters()]))
-    torch.testing.assert_close(got[0]["norm"], norm, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[0]["norm fp32"], norm, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_mixed_computes_in_bf16_into_fp32_gradients(runs: tuple[Path, list]) -> None:
+    got = [result["gradients"] for result in runs[1]]
+    fp32, mixed = got[0]["grads fp32"], got[0]["grads bf16-mixed"]
+    assert all(grad.dtype == torch.float32 for grad in mixed.values())
+    for name, grad in fp32.items():
+        error = (mixed[name] - grad).norm() / grad.norm()
+        assert 0 < error < 0.05, (name, error)  # bf16 rounding: close, not equal
+    for name, grad in mixed.items():  # one reduce-scatter: the same average on both ranks
+        assert torch.equal(got[1]["grads bf16-mixed"][name], grad), name
 
 
 REFUSED = {
