@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import final_weights, logged_losses, run_distributed, tiny_args
-from tiny_models import digest, tiny_llama_config, tiny_model_path, train_in_group
+from tiny_models import comm_bytes, digest, tiny_llama_config, tiny_model_path, train_in_group
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -18,7 +18,7 @@ from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import dry_run, plan_run
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import forward_backward
-from torchrun_ddp.model import build_model, enable_activation_checkpointing
+from torchrun_ddp.model import build_model, enable_activation_checkpointing, load_model_config
 from torchrun_ddp.parallelize import (
     MeshShape,
     build_mesh,
@@ -28,7 +28,7 @@ from torchrun_ddp.parallelize import (
     mesh_shape,
     shard_model,
 )
-from torchrun_ddp.plan.architecture import llama2_7b_config
+from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model
 
 STEPS, STOP = 8, 4
 CPU = torch.device("cpu")
@@ -121,6 +121,22 @@ def test_fsdp_and_hsdp_give_ddp_losses(runs: tuple[Path, list]) -> None:
         assert have.keys() == want.keys()
         for key, tensor in want.items():
             torch.testing.assert_close(have[key], tensor, atol=1e-4, rtol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_fsdp_traffic_is_counted_per_step(runs: tuple[Path, list]) -> None:
+    """hsdp over 2 replicas of 1 shard sends what DDP's all-reduce sends (4 B x P parameters
+    at 2 ranks); fsdp over 2 ranks gathers every unit per micro-batch (layers twice, the root
+    once; 4 B, half from the peer) and reduce-scatters the gradients once (half of 4 B x P)."""
+    root, _ = runs
+    ddp, fsdp, hsdp = (comm_bytes(root / name) for name in ("ddp", "fsdp", "hsdp"))
+    model = meta_model(load_model_config(str(tiny_model_path("llama"))))
+    parameters = sum(p.numel() for p in model.parameters())
+    outside = sum(p.numel() for n, p in model.named_parameters() if ".layers." not in n)
+    gathered = 2 * (2 * parameters - outside) * 4 // 2  # 2 micro-batches, this rank's half
+    assert ddp[0][0] == 4 * parameters
+    assert set(hsdp) == {(4 * parameters, 4 * parameters)}
+    assert set(fsdp) == {(gathered + 2 * parameters, 4 * parameters)}
 
 
 @pytest.mark.slow
