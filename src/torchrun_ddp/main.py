@@ -7,8 +7,8 @@ the loss and, in the same all-reduce, agree whether to go on: every rank has rea
 the next log step, and nobody was asked to stop. Between log steps there is no collective but
 the gradient all-reduce (or the exchange of an optimizer that communicates itself: DeMo every
 step, DiLoCo and SparseLoCo every --local-steps; under --data-parallel fsdp|hsdp, FSDP's
-all-gathers and reduce-scatter and the gradient norm's all-reduce) and no host synchronisation. Evaluate and
-checkpoint on their cadences.
+all-gathers and reduce-scatter and the gradient norm's all-reduce) and no host
+synchronisation. Evaluate and checkpoint on their cadences.
 """
 
 from __future__ import annotations
