@@ -4,6 +4,7 @@ settings it does not support are refused in one line; the plan shards the state.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,8 +89,17 @@ def _runs_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str,
         out[name] = isinstance(trainer.model.lm_head.weight, DTensor) if name != "ddp" else None
     resumed = ("--data-parallel", "fsdp", "--max-steps", str(STOP))
     train_in_group(rank, world_size, _args(Path(data), root / "stopped", *resumed))
+    if rank == 0:  # the step-STOP export, before the resumed run writes its own
+        shutil.copytree(root / "stopped" / "final_model", root / "at-stop" / "final_model")
     train_in_group(rank, world_size, _args(Path(data), root / "stopped", "--data-parallel", "fsdp"))
     return out
+
+
+def _one_rank_worker(rank: int, world_size: int, data: str, root: Path) -> None:
+    """fsdp on 1 rank: resume the 2-rank checkpoint of step STOP, train nothing, export."""
+    step = root / "stopped" / "checkpoints" / f"step-{STOP}"
+    extra = ("--data-parallel", "fsdp", "--resume-from", str(step), "--max-steps", str(STOP))
+    train_in_group(rank, world_size, _args(Path(data), root / "one-rank", *extra))
 
 
 RUNS = {
@@ -103,6 +113,17 @@ RUNS = {
 def runs(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     root = tmp_path_factory.mktemp("sharded")
     return root, run_distributed(_runs_worker, 2, str(sample_data), root, timeout=600)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_at_another_world_size(
+    runs: tuple[Path, list], sample_data: Path
+) -> None:
+    """The 2-rank shards of step STOP, loaded by 1 rank (DCP reshards them), give the same
+    weights bit for bit."""
+    root, _ = runs
+    run_distributed(_one_rank_worker, 1, str(sample_data), root, timeout=300)
+    assert digest(final_weights(root / "one-rank")) == digest(final_weights(root / "at-stop"))
 
 
 @pytest.mark.slow
