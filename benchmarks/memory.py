@@ -89,6 +89,7 @@ from torchrun_ddp.model import (
     wrap_ddp,
 )
 from torchrun_ddp.optim import build_optimizer
+from torchrun_ddp.parallelize import MeshShape, build_mesh, clip_grad_norm, shard_model
 from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model, parameter_sizes
 from torchrun_ddp.plan.fit import comparison_table, suggestions
 from torchrun_ddp.plan.memory import MIB, MemoryPlan, PlanSettings, plan_memory
@@ -117,10 +118,13 @@ class Setting:
     checkpointing: bool = False
     bucket_view: bool = True
     adamw: str = "foreach"
+    data_parallel: str = "ddp"
+    """ddp, or fsdp: the model sharded over both ranks (``parallelize.shard_model``)."""
 
     def label(self) -> str:
         """``bf16-mixed + zero1 + AC``, plus what differs from the defaults of this table."""
-        parts = [self.precision] + ["zero1"] * self.zero1 + ["AC"] * self.checkpointing
+        parts = [self.precision] + ["fsdp"] * (self.data_parallel == "fsdp")
+        parts += ["zero1"] * self.zero1 + ["AC"] * self.checkpointing
         extras = [] if self.bucket_view else ["no bucket view"]
         extras += [] if self.adamw == "foreach" else [f"{self.adamw} AdamW"]
         return " + ".join(parts) + (f" ({', '.join(extras)})" if extras else "")
@@ -134,9 +138,10 @@ class Setting:
             precision=self.precision,
             zero1=self.zero1,
             activation_checkpointing=self.checkpointing,
-            gradient_as_bucket_view=self.bucket_view,
+            gradient_as_bucket_view=self.bucket_view and self.data_parallel == "ddp",
             overhead_gib=0.0,
             fused_adamw=self.adamw == "fused",
+            data_parallel=self.data_parallel,
         )
 
 
@@ -154,6 +159,8 @@ SETTINGS = {
         Setting("bf16-mixed-zero1-ac-no-view", "bf16-mixed", True, True, bucket_view=False),
         Setting("fp32-fused", "fp32", adamw="fused"),
         Setting("fp32-for-loop", "fp32", adamw="for-loop"),
+        Setting("fsdp-fp32", "fp32", data_parallel="fsdp"),
+        Setting("fsdp-bf16-mixed-ac", "bf16-mixed", checkpointing=True, data_parallel="fsdp"),
     )
 }
 """Every measured setting by name (``--settings``), in table order."""
@@ -220,8 +227,7 @@ def _train(setting: Setting, config: PretrainedConfig, steps: int) -> None:
     model = build_model(str(TINY_MODEL), config, "random", setting.precision, 0, device)
     if setting.checkpointing:
         enable_activation_checkpointing(model)
-    ddp = wrap_ddp(model, device, 25.0, setting.bucket_view)
-    register_compression(ddp, CompressionSettings(method="none"))
+    ddp = _parallel(model, setting)
     optimizer = build_optimizer(model, 1e-3, 0.1, setting.adamw, setting.zero1)
     generator = torch.Generator().manual_seed(dist.get_rank())
     for step in range(steps):
@@ -234,10 +240,23 @@ def _train(setting: Setting, config: PretrainedConfig, steps: int) -> None:
             with _phase("backward", step):
                 loss.backward()
             with _phase("optimizer", step):
-                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+                clip_grad_norm(ddp, 1.0)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             del loss, input_ids
+
+
+def _parallel(model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
+    """``model`` in DDP with the ``none`` comm hook, or sharded over the ranks by FSDP (every
+    rank built the same seeded weights, so no scatter from rank 0 is needed here)."""
+    device = torch.device("cpu")
+    if setting.data_parallel == "fsdp":
+        mesh = build_mesh(device, MeshShape(1, WORLD_SIZE), hybrid=False)
+        shard_model(model, mesh, setting.precision)
+        return model
+    ddp = wrap_ddp(model, device, 25.0, setting.bucket_view)
+    register_compression(ddp, CompressionSettings(method="none"))
+    return ddp
 
 
 def _analyse(prof: profile, rank: int, rss_growth: int) -> RankMemory:
