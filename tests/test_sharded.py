@@ -25,8 +25,8 @@ from torchrun_ddp.parallelize import (
     build_mesh,
     clip_grad_norm,
     load_from_rank0,
-    materialize,
     mesh_shape,
+    rank0_weights,
     shard_model,
 )
 from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model
@@ -56,7 +56,7 @@ def _sharded_tiny(rank: int, world_size: int, precision: str) -> torch.nn.Module
     model = build_model("tiny", config, "random", precision, 7, host)
     if precision == "bf16-mixed":
         enable_activation_checkpointing(model)
-    state = materialize(model)
+    state = rank0_weights(model)
     shard_model(model, build_mesh(CPU, MeshShape(1, world_size), hybrid=False), precision)
     load_from_rank0(model, CPU, state)
     return model

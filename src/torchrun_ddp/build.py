@@ -58,8 +58,8 @@ from torchrun_ddp.optim import build_scheduler
 from torchrun_ddp.parallelize import (
     build_mesh,
     load_from_rank0,
-    materialize,
     mesh_shape,
+    rank0_weights,
     shard_model,
 )
 from torchrun_ddp.plan import (
@@ -305,7 +305,7 @@ def build_sharded_model(
     )
     if config.activation_checkpointing:
         enable_activation_checkpointing(model)
-    rank0_state = materialize(model)
+    rank0_state = rank0_weights(model)
     shape = mesh_shape(
         config.data_parallel, env.world_size, env.local_world_size, config.shard_degree
     )

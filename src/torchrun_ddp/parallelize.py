@@ -131,7 +131,7 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: str) -> Sha
     return ShardedUnits(len(layers), total + layer_elements)
 
 
-def materialize(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def rank0_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Rank 0's full weights and buffers, captured before sharding (an empty dict on the other
     ranks, whose ``model`` is on the meta device). CPU tensors as they are; no copy."""
     if dist.get_rank() != 0:
@@ -145,7 +145,7 @@ def load_from_rank0(
     model: torch.nn.Module, device: torch.device, rank0_state: dict[str, torch.Tensor]
 ) -> None:
     """Collective: allocate the sharded ``model``'s memory on ``device`` (``to_empty``) and
-    fill it with rank 0's ``rank0_state`` (``materialize``): the weights scattered shard by
+    fill it with rank 0's ``rank0_state`` (``rank0_weights``): the weights scattered shard by
     shard (``set_model_state_dict`` with ``broadcast_from_rank0``), then every buffer broadcast
     (the non-persistent ones, such as LLaMA's rotary ``inv_freq``, are not in the state dict)."""
     model.to_empty(device=device)

@@ -60,8 +60,9 @@ def check_replicas(
     log.info("replicas compared after the resume in %.2f s", time.perf_counter() - started)
     if differ:
         ranks = ", ".join(map(str, differ))
+        than = "rank 0" if len(groups) == 1 else "the first rank that holds the same shard"
         raise UserError(
             f"the replicas differ after loading {source}: rank(s) {ranks} hold other model or "
-            "optimizer state than rank 0; check the ranks' --checkpoint-dir folders (a damaged "
+            f"optimizer state than {than}; check the ranks' --checkpoint-dir folders (a damaged "
             "or stale copy) and restart"
         )
