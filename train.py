@@ -9,6 +9,9 @@ from a finished one (torchrun with --max-restarts then restarts the group, which
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
 import sys
 
 from dotenv import load_dotenv
@@ -42,5 +45,21 @@ def main(argv: list[str]) -> int:
     return 0 if finished else STOPPED
 
 
+def exit_now(status: int) -> None:
+    """End the process with ``status`` without the interpreter's teardown. By now every output is
+    closed (checkpoints fsynced, metrics and TensorBoard closed, the process group destroyed),
+    and tearing down torch's and transformers' modules one by one takes seconds per process
+    (about 1 s on 2 quiet cores, 8 s under load), which every torchrun restart and every test
+    waits for. Log handlers are flushed and any child left (a data-loader worker) is stopped as
+    the interpreter's own exit would."""
+    logging.shutdown()
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

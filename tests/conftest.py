@@ -35,3 +35,20 @@ def reference_run(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(logged_losses(output_dir)) == list(range(1, REFERENCE_STEPS + 1))
     return output_dir
+
+
+SHARED_REFERENCE = {"test_faults", "test_resume"}
+"""Modules that compare with ``reference_run``: pytest-xdist runs them on one worker, so the
+session's reference run is made once."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts) a module's tests run
+    on one worker, so its module-scoped fixture (most modules' one spawn of ranks) is built once,
+    and the modules that share ``reference_run`` run on the same worker. Two workers overlap one
+    test's waits (process start-up, rendezvous, heartbeats, fsync, timeouts) with another's work
+    on 2 cores."""
+    for item in items:
+        name = item.module.__name__ if item.module else ""
+        group = "reference_run" if name in SHARED_REFERENCE else name
+        item.add_marker(pytest.mark.xdist_group(group))

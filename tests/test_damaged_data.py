@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from distributed_harness import tiny_args, torchrun
+from distributed_harness import REPO, tiny_args, torchrun
 from transformers import PreTrainedTokenizerBase
 
 from torchrun_ddp.build import check_data_error, record_data_error
@@ -153,6 +153,7 @@ def test_a_damaged_record_deep_in_a_large_shard_is_skipped_or_stops_in_one_line(
     shard = _large_shard(tmp_path / "large.json", sample_data)
     base = ["--data-files", shard, "--max-steps", "3", "--seq-length", "32", "--eval-every", "0"]
     base += ["--log-every", "1", "--checkpoint-every", "0", "--batch-size", "1"]
+    base += ["--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json")]
     ok = torchrun(tiny_args(sample_data, tmp_path / "ok", *base, "--max-bad-records", "3"))
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert f"skipped damaged training record 1: {shard} line 5 is not JSON" in ok.stderr

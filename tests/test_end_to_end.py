@@ -119,6 +119,7 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_pa
         args = tiny_args(
             sample_data, output,
             "--data-files", str(data), "--eval-files", str(data), "--max-steps", "-1",
+            "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
             "--seq-length", "16", "--batch-size", "1", "--shuffle-buffer", "0",
             "--log-every", str(log_every), "--eval-batches", "1",
         )  # fmt: skip
@@ -137,7 +138,9 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_pa
 
 def test_without_torchrun_trains_as_one_process(sample_data: Path, tmp_path: Path) -> None:
     args = tiny_args(sample_data, tmp_path, "--max-steps", "2", "--seq-length", "32",
-                     "--batch-size", "1", "--log-every", "1", "--eval-batches", "1")  # fmt: skip
+                     "--batch-size", "1", "--log-every", "1", "--eval-batches", "1",
+                     "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
+                     )  # fmt: skip
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
         env=subprocess_env(), timeout=300, check=False,

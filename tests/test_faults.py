@@ -10,8 +10,7 @@ alternating: mid-step (rank 0), mid-checkpoint-write (rank 1), in the middle of 
 torchrun --max-restarts restarts the group and it resumes from the newest complete checkpoint. A
 SIGTERM saves a checkpoint and stops (alone: status 143; the agent's: the next run resumes; a
 worker's: torchrun restarts the group). A full disk during a checkpoint write must leave the
-previous checkpoint loadable and end with a one-line error. The step-driven faults do not need the
-19.5M model, but sharing its reference run costs less than a second reference.
+previous checkpoint loadable and end with a one-line error.
 """
 
 from __future__ import annotations
@@ -168,7 +167,7 @@ def _mebibytes(folder: Path) -> int:
 def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint(
     sample_data: Path, tmp_path: Path, reference_run: Path
 ) -> None:
-    """--checkpoint-dir on a tmpfs of 1.5 checkpoints (the reference run's, about 225 MiB):
+    """--checkpoint-dir on a tmpfs of 1.5 checkpoints (the reference run's, about 48 MiB):
     step-2 fits, step-4 does not. The run stops with a one-line error; step-2 stays complete;
     with room again, the next run resumes from it and logs the reference run's losses."""
     one = _mebibytes(max((reference_run / "checkpoints").glob("step-*")))

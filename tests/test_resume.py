@@ -32,17 +32,17 @@ SMALL = (
     "--seq-length", "16",
 )  # fmt: skip
 VARIANTS = {
-    "dct": ("--compression", "dct", "--compression-selection", "rotating", *SMALL),
-    "zero1-bf16-mixed-ac": (
-        "--zero1", "--precision", "bf16-mixed", "--activation-checkpointing", *SMALL,
+    "dct-zero1-bf16-mixed-ac": (
+        "--compression", "dct", "--compression-selection", "rotating", "--zero1",
+        "--precision", "bf16-mixed", "--activation-checkpointing", *SMALL,
     ),
 }  # fmt: skip
 """Settings whose resume is checked besides plain DDP (whose stop-and-resume runs are
-tests/test_faults.py's SIGKILL and SIGTERM runs): rotating DCT (its selection follows the step;
-its error-feedback residuals are per-rank state), and ZeRO-1 (per-rank optimizer shards) with
-autocast and activation checkpointing. They train the hidden-64 LLaMA on 16-token windows
-(``SMALL``): they check resume, not speed, and CPUs without bf16 units (no avx512_bf16/AMX) run
-bf16 matmuls about 100x slower than fp32."""
+tests/test_faults.py's SIGKILL and SIGTERM runs), in one run since each start costs seconds:
+rotating DCT (its selection follows the step; its error-feedback residuals are per-rank state),
+ZeRO-1 (per-rank optimizer shards), autocast and activation checkpointing. They train the
+hidden-64 LLaMA on 16-token windows (``SMALL``): they check resume, not speed, and CPUs without
+bf16 units (no avx512_bf16/AMX) run bf16 matmuls about 100x slower than fp32."""
 
 
 def ok(result: subprocess.CompletedProcess) -> str:
