@@ -67,6 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
     ARGS_FILE,
+    DCT_HOOKS,
+    HOOKS,
     REPO,
     SHARED_DATA,
     RunSummary,
@@ -75,6 +77,7 @@ from common import (
     check_data,
     data_args,
     free_port,
+    hook_flags,
     human_bytes,
     made_with,
     markdown_table,
@@ -196,10 +199,11 @@ def train_args(
     flags += ["--seed", str(seed), "--eval-batches", str(args.eval_batches)]
     flags += ["--log-every", "1", "--eval-every", str(args.eval_every), "--checkpoint-every", "0"]
     flags += ["--epochs", str(args.epochs)]
-    flags += ["--compression-start-step", str(args.compression_start_step), *variant.flags]
+    start = str(args.compression_start_step)
+    flags += hook_flags(variant, "--compression-start-step", start, HOOKS)
     if args.no_error_feedback:
-        flags.append("--no-compression-error-feedback")
-    return flags
+        flags += hook_flags(variant, "--compression-error-feedback", "false", DCT_HOOKS)
+    return [*flags, *variant.flags]
 
 
 def recorded_args(args: argparse.Namespace, flags: list[str]) -> list[str]:

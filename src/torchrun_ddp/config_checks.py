@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torchrun_ddp.config import TrainConfig, flag_name
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.methods import check_methods
+from torchrun_ddp.methods import Owners, check_methods, refuse_unused
 
 _POSITIVE = ("seq_length", "batch_size", "accumulation_steps", "learning_rate", "epochs")
 _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "timeout_s")
@@ -22,9 +22,17 @@ _POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit", "plan_tflops")
 _POSITIVE += ("plan_gpus_per_node",)
 _NON_NEGATIVE += ("plan_world_size",)
 
+LORA_FLAGS: Owners = {
+    name: ("peft", ("lora",))
+    for name in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+}
+"""The adapters' flags, read under --peft lora only."""
 
-def validate(config: TrainConfig) -> None:
-    """Reject invalid values with a UserError naming the flag and the fix."""
+
+def validate(config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
+    """Reject invalid values with a UserError naming the flag and the fix; ``given``: the fields
+    set on the command line or in the config file (``config_io.given_fields``), whose flags are
+    refused where the chosen method, --compression or --peft does not read them."""
     for name in _POSITIVE:
         if getattr(config, name) <= 0:
             raise UserError(f"--{flag_name(name)} must be > 0, got {getattr(config, name)}")
@@ -33,15 +41,16 @@ def validate(config: TrainConfig) -> None:
             raise UserError(f"--{flag_name(name)} must be >= 0, got {getattr(config, name)}")
     if config.max_steps == 0 or config.max_steps < -1:
         raise UserError(f"--max-steps must be -1 (end of data) or > 0, got {config.max_steps}")
-    _validate_combinations(config)
+    _validate_combinations(config, given)
 
 
-def _validate_combinations(config: TrainConfig) -> None:
+def _validate_combinations(config: TrainConfig, given: frozenset[str]) -> None:
     """Reject options that are valid alone but not together."""
     if config.min_lr > config.learning_rate:
         raise UserError("--min-lr must not exceed --learning-rate")
     _validate_lora(config)
-    check_methods(config)
+    refuse_unused(config, given, LORA_FLAGS)
+    check_methods(config, given)
     if config.ddp_static_graph and config.accumulation_steps > 1:
         raise UserError(
             "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "
