@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,6 +64,7 @@ from torchrun_ddp.training_data import (
     build_train_loader,
     count_tokens,
     eval_batches,
+    is_local_path,
     load_tokenizer,
     open_documents,
     resolve_files,
@@ -85,18 +87,8 @@ class Inputs:
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     """Check the model, memory plan, tokenizer, data paths and the method's settings; raises
     UserError on the first problem."""
-    method_for(config)
-    check_device(config.device)
-    if config.compression_scope == "inter-node":
-        check_node_layout(env)
     model_config = load_model_config(config.model)
-    check_causal_lm(model_config, config.model)
-    limit = max_positions(model_config)
-    if limit and config.seq_length > limit:
-        raise UserError(
-            f"--seq-length {config.seq_length} exceeds the model's {limit} positions; "
-            f"use --seq-length {limit} or less"
-        )
+    check_settings(config, env, model_config)
     check_fits(config, model_config, env)
     check_paths(config)
     check_data_error(config)
@@ -112,6 +104,43 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         train_documents=open_documents(train_files, *hub, split="train"),
         eval_documents=open_documents(eval_files, *hub, split="validation"),
     )
+
+
+def check_settings(config: TrainConfig, env: DistEnv, model_config: PretrainedConfig) -> None:
+    """The start-up checks that need no file but the model's config: the method's settings, the
+    device, the node layout of a node-aware scope, a causal LM, --seq-length within its
+    positions. Raises UserError on the first problem."""
+    method_for(config)
+    check_device(config.device)
+    if config.compression_scope == "inter-node":
+        check_node_layout(env)
+    check_causal_lm(model_config, config.model)
+    limit = max_positions(model_config)
+    if limit and config.seq_length > limit:
+        raise UserError(
+            f"--seq-length {config.seq_length} exceeds the model's {limit} positions; "
+            f"use --seq-length {limit} or less"
+        )
+
+
+def check_dry_run_inputs(
+    config: TrainConfig, env: DistEnv, model_config: PretrainedConfig
+) -> int | None:
+    """--dry-run's share of a real start's checks (``prepare_inputs`` but the memory fit, which
+    the plan reports instead): settings, output and checkpoint folders, an earlier data error,
+    a local tokenizer, the data files. Returns the tokens one pass over the local training
+    files gives (``count_tokens``), or None where they are not counted (hub streaming, files
+    over 64 MiB, or a hub tokenizer, which --dry-run does not download). Raises UserError."""
+    check_settings(config, env, model_config)
+    check_paths(config)
+    check_data_error(config)
+    name = config.tokenizer or config.model
+    tokenizer = load_tokenizer(name) if is_local_path(name) else None
+    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
+    resolve_files(config.eval_files, "--eval-files", config.max_bad_records)
+    if tokenizer is None:
+        return None
+    return count_tokens(train_files, tokenizer, sys.maxsize)
 
 
 def check_enough_tokens(
