@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
 from torchrun_ddp.config import TrainConfig, flag_name  # noqa: E402
-from torchrun_ddp.config_checks import LORA_FLAGS  # noqa: E402
+from torchrun_ddp.config_checks import LORA_FLAGS, SCHEDULE_FLAGS  # noqa: E402
 from torchrun_ddp.config_io import build_parser, parse_config, to_toml  # noqa: E402
 from torchrun_ddp.errors import UserError  # noqa: E402
 from torchrun_ddp.methods import method_flag_owners  # noqa: E402
@@ -23,9 +23,10 @@ from torchrun_ddp.methods.adamw import COMPRESSION_FLAGS  # noqa: E402
 from torchrun_ddp.peer_names import HF_TRAINER, TORCHTITAN  # noqa: E402
 
 OPTIONS = {option for action in build_parser()._actions for option in action.option_strings}
-OWNERS = {**method_flag_owners(), **COMPRESSION_FLAGS, **LORA_FLAGS}
+OWNERS = {**method_flag_owners(), **COMPRESSION_FLAGS, **LORA_FLAGS, **SCHEDULE_FLAGS}
 SWITCH_VALUES = {"optimizer": ("adamw", "demo", "diloco", "sparseloco"), "peft": ("none", "lora")}
 SWITCH_VALUES["compression"] = ("none", "dct", "dct-topk", "fp16", "bf16", "powersgd")
+SWITCH_VALUES["lr_scheduler"] = ("cosine-restarts", "cosine", "linear", "constant", "wsd")
 
 
 def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -70,7 +71,7 @@ def test_a_flag_the_run_does_not_read_is_refused(
     under its owner: accepted."""
     switch, owners = OWNERS[name]
     other = next(value for value in SWITCH_VALUES[switch] if value not in owners)
-    flag = [f"--{flag_name(name)}", *_value(name)]
+    flag = [f"--{flag_name(name)}", *_value(name), "--max-steps", "500"]
     err = _error_line(capsys, [f"--{flag_name(switch)}", other, *flag])
     assert f"--{flag_name(name)} is a setting of --{flag_name(switch)} " in err
     assert f"{' or '.join(owners)} and does nothing under --{flag_name(switch)} {other}" in err

@@ -53,7 +53,7 @@ from torchrun_ddp.model import (
     trainable_parameter_sizes,
     wrap_ddp,
 )
-from torchrun_ddp.optim import build_scheduler
+from torchrun_ddp.optim import ScheduleSettings, build_scheduler
 from torchrun_ddp.plan import (
     matmul_parameter_count,
     model_flops_per_token,
@@ -357,6 +357,20 @@ def flops_per_token(
     )
 
 
+def schedule_settings(config: TrainConfig) -> ScheduleSettings:
+    """The learning-rate schedule's settings (``optim.build_scheduler``) from the config."""
+    return ScheduleSettings(
+        name=config.lr_scheduler,
+        lr=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        total_steps=config.max_steps,
+        cycle_steps=config.restart_every,
+        cycle_mult=config.restart_mult,
+        min_lr=config.min_lr,
+        decay_steps=config.decay_steps,
+    )
+
+
 def tokens_per_step(config: TrainConfig, env: DistEnv) -> int:
     """Tokens trained per optimizer step over all ranks."""
     return config.batch_size * config.accumulation_steps * config.seq_length * env.world_size
@@ -452,9 +466,7 @@ def build_trainer(
     method = method_for(config)
     model, ddp_model, compression = build_ddp_model(config, device, inputs, env, method)
     optimizer = method.build(model, compression)
-    scheduler = build_scheduler(
-        optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
-    )
+    scheduler = build_scheduler(optimizer, schedule_settings(config))
     torch.manual_seed(config.seed + env.rank)
     compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
     peak, peak_source = config.peak_tflops * 1e12, "--peak-tflops"

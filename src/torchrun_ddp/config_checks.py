@@ -20,13 +20,22 @@ _NON_NEGATIVE += ("max_bad_records", "train_timeout_s", "buddy_copies", "max_los
 _NON_NEGATIVE += ("device_memory_gib", "peak_tflops")
 _POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit", "plan_tflops")
 _POSITIVE += ("plan_gpus_per_node",)
-_NON_NEGATIVE += ("plan_world_size",)
+_NON_NEGATIVE += ("plan_world_size", "decay_steps")
 
 LORA_FLAGS: Owners = {
     name: ("peft", ("lora",))
     for name in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
 }
 """The adapters' flags, read under --peft lora only."""
+SCHEDULE_FLAGS: Owners = {
+    "restart_every": ("lr_scheduler", ("cosine-restarts",)),
+    "restart_mult": ("lr_scheduler", ("cosine-restarts",)),
+    "min_lr": ("lr_scheduler", ("cosine-restarts", "cosine", "wsd")),
+    "decay_steps": ("lr_scheduler", ("wsd",)),
+}
+"""The schedules' own flags and the --lr-scheduler values that read them."""
+LENGTH_SCHEDULES = ("cosine", "linear", "wsd")
+"""The schedules that need the run's length (--max-steps)."""
 
 
 def validate(config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
@@ -49,12 +58,29 @@ def _validate_combinations(config: TrainConfig, given: frozenset[str]) -> None:
     if config.min_lr > config.learning_rate:
         raise UserError("--min-lr must not exceed --learning-rate")
     _validate_lora(config)
-    refuse_unused(config, given, LORA_FLAGS)
+    _validate_schedule(config)
+    refuse_unused(config, given, {**LORA_FLAGS, **SCHEDULE_FLAGS})
     check_methods(config, given)
     if config.ddp_static_graph and config.accumulation_steps > 1:
         raise UserError(
             "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "
             "crashes under no_sync with a static graph, pytorch/pytorch#143580); drop one of them"
+        )
+
+
+def _validate_schedule(config: TrainConfig) -> None:
+    """Reject a schedule that needs the run's length without --max-steps, and a wsd decay that
+    does not fit after the warmup."""
+    name = config.lr_scheduler
+    if name in LENGTH_SCHEDULES and config.max_steps < 0:
+        raise UserError(
+            f"--lr-scheduler {name} decays over the run's length; set --max-steps, or use "
+            "--lr-scheduler cosine-restarts or constant"
+        )
+    if name == "wsd" and config.warmup_steps + config.decay_steps > config.max_steps:
+        raise UserError(
+            f"--lr-scheduler wsd: --warmup-steps {config.warmup_steps} + --decay-steps "
+            f"{config.decay_steps} exceed --max-steps {config.max_steps}; lower them"
         )
 
 

@@ -75,6 +75,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
         "vocab_size": trainer.model.module.config.vocab_size,
         "compression": config.compression,
         "optimizer": config.optimizer,
+        "lr_scheduler": config.lr_scheduler,
         "seq_length": config.seq_length,
         "zero1": config.zero1,
         "seed": config.seed,
