@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
-import re
 import sys
 from pathlib import Path
 from typing import get_type_hints
@@ -20,13 +18,11 @@ from typing import get_type_hints
 import tomli_w
 
 from torchrun_ddp.config import TrainConfig
-from torchrun_ddp.config_io import build_parser
+from torchrun_ddp.config_io import build_parser, sections
 
 REGENERATE = "uv run python -m torchrun_ddp.config_docs --out docs/configuration.md"
 """The command that rewrites the page; the staleness test prints it."""
 
-_SECTION = re.compile(r"^    # (?P<title>\S.*)$")
-_FIELD = re.compile(r"^    (?P<name>[a-z_][a-z0-9_]*): ")
 
 _PREAMBLE = f"""\
 # Configuration
@@ -53,25 +49,6 @@ reads back; `--print-config` prints it without training. Boolean options take `-
 Defaults are shown as TOML values. This page is generated from the code: `train.py --help`
 prints the same help text.
 """
-
-
-def sections() -> dict[str, str]:
-    """Field name -> the title of the ``# Section`` comment above it in TrainConfig's source.
-
-    Fields above the first section comment get the title "General".
-    """
-    lines, _ = inspect.getsourcelines(TrainConfig)
-    title = "General"
-    found: dict[str, str] = {}
-    for line in lines:
-        section = _SECTION.match(line)
-        if section:
-            title = section.group("title")
-            continue
-        field = _FIELD.match(line)
-        if field:
-            found[field.group("name")] = title
-    return found
 
 
 def option_strings(parser: argparse.ArgumentParser) -> dict[str, list[str]]:

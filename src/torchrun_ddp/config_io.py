@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
 import os
+import re
 import tomllib
 from functools import cache
 from pathlib import Path
@@ -163,8 +165,51 @@ def _switches_off_by_default() -> set[str]:
     }
 
 
+_SECTION = re.compile(r"^    # (?P<title>\S.*)$")
+_FIELD = re.compile(r"^    (?P<name>[a-z_][a-z0-9_]*): ")
+
+
+@cache
+def sections() -> dict[str, str]:
+    """Field name -> the title of the ``# Section`` comment above it in TrainConfig's source
+    (the configuration page's and ``--help``'s sections).
+
+    Fields above the first section comment get the title "General".
+    """
+    lines, _ = inspect.getsourcelines(TrainConfig)
+    title = "General"
+    found: dict[str, str] = {}
+    for line in lines:
+        section = _SECTION.match(line)
+        if section:
+            title = section.group("title")
+            continue
+        field = _FIELD.match(line)
+        if field:
+            found[field.group("name")] = title
+    return found
+
+
+def group_by_section(parser: argparse.ArgumentParser) -> None:
+    """Move each field's flags from the parser's one options group into an argument group per
+    ``sections`` title, in source order, so ``--help`` reads like the configuration page.
+    argparse keeps a group's entries in ``_group_actions``; parsing does not look at groups."""
+    titles = sections()
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    default_group = parser._optionals
+    for action in list(default_group._group_actions):
+        title = titles.get(action.dest)
+        if title is None:
+            continue
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        default_group._group_actions.remove(action)
+        groups[title]._group_actions.append(action)
+
+
 def build_parser() -> HfArgumentParser:
-    """The command-line parser: ``--config FILE`` plus one flag per TrainConfig field."""
+    """The command-line parser: ``--config FILE`` plus one flag per TrainConfig field, grouped in
+    ``--help`` by the configuration page's sections."""
     parser = HfArgumentParser(
         TrainConfig,
         description="Train a causal LM (LLaMA and any AutoModelForCausalLM) with PyTorch DDP "
@@ -181,6 +226,7 @@ def build_parser() -> HfArgumentParser:
     )
     for action in parser._actions:  # show --seq-length before its alias --seq_length
         action.option_strings.sort(key=lambda option: "_" in option)
+    group_by_section(parser)
     return parser
 
 
