@@ -8,6 +8,7 @@ they do not import each other.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from torchrun_ddp.metrics import (
     LogWindow,
     MetricsLogger,
     build_metrics,
+    check_wandb_installed,
     device_peak_flops,
 )
 from torchrun_ddp.model import (
@@ -111,6 +113,8 @@ def check_settings(config: TrainConfig, env: DistEnv, model_config: PretrainedCo
     device, the node layout of a node-aware scope, a causal LM, --seq-length within its
     positions. Raises UserError on the first problem."""
     method_for(config)
+    if config.report_to == "wandb":
+        check_wandb_installed()
     check_device(config.device)
     if config.compression_scope == "inter-node":
         check_node_layout(env)
@@ -357,6 +361,14 @@ def flops_per_token(
     )
 
 
+def wandb_config(config: TrainConfig) -> dict[str, object] | None:
+    """The config a Weights & Biases run records under --report-to wandb (the resolved config,
+    which holds no secret), else None."""
+    if config.report_to != "wandb":
+        return None
+    return dataclasses.asdict(config)
+
+
 def schedule_settings(config: TrainConfig) -> ScheduleSettings:
     """The learning-rate schedule's settings (``optim.build_scheduler``) from the config."""
     return ScheduleSettings(
@@ -493,7 +505,9 @@ def build_trainer(
         compression=compression,
         data=build_train_data(config, env, inputs, device),
         eval_set=build_eval_set(config, env, inputs, device),
-        metrics=build_metrics(Path(config.output_dir), env.is_main, config.tensorboard, run_id),
+        metrics=build_metrics(
+            Path(config.output_dir), env.is_main, config.tensorboard, run_id, wandb_config(config)
+        ),
         window=LogWindow(device, tokens, flops, peak * env.world_size if peak else math.inf),
         tokenizer=inputs.tokenizer,
         run_id=run_id,

@@ -418,6 +418,14 @@ class TrainConfig:
     tensorboard: bool = _opt(
         False, "Also write TensorBoard event files to <output-dir>/tensorboard."
     )
+    report_to: str = _opt(
+        "none",
+        "wandb: also log every metrics.jsonl record and the resolved config to Weights & Biases "
+        "(needs the wandb extra: uv sync --extra wandb; project from WANDB_PROJECT, else "
+        "torchrun-ddp; WANDB_MODE=offline writes the run to <output-dir>/wandb only). The wandb "
+        "run's id is the checkpoint's run id, so a resumed run continues the same wandb run.",
+        choices=["none", "wandb"],
+    )
     peak_tflops: float = _opt(
         0.0,
         "Peak TFLOP/s of one rank's device for MFU; 0: the GPU's data-sheet dense bf16 peak, "

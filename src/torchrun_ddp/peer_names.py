@@ -5,7 +5,7 @@ flags with underscores; torchtitan's ``JobConfig`` uses ``--section.key`` flags 
 sections. ``config_io`` answers an unknown flag or config key found here with this project's
 name before it guesses by spelling. Names the two projects share with this one (``learning_rate``,
 ``max_steps``, ``weight_decay``, ``warmup_steps``, ``seed``, ``output_dir``, ``max_grad_norm``,
-``lora_target_modules``)
+``lora_target_modules``, ``report_to``)
 are flags here already and are not listed.
 
 Imports nothing; read by ``config_io``.
@@ -86,6 +86,7 @@ TORCHTITAN: dict[str, str] = {
     "checkpoint.enable_checkpoint": "--checkpoint-every (0: only at the end and on SIGTERM)",
     "metrics.log_freq": "--log-every",
     "metrics.enable_tensorboard": "--tensorboard",
+    "metrics.enable_wandb": "--report-to wandb",
     "activation_checkpoint.mode": "--activation-checkpointing",
     "validation.freq": "--eval-every",
     "validation.steps": "--eval-batches",
