@@ -19,6 +19,7 @@ import tomli_w
 
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_io import build_parser, sections
+from torchrun_ddp.peer_names import HF_TRAINER, TORCHTITAN
 
 REGENERATE = "uv run python -m torchrun_ddp.config_docs --out docs/configuration.md"
 """The command that rewrites the page; the staleness test prints it."""
@@ -123,7 +124,27 @@ def render() -> str:
     lines = [_PREAMBLE, "## Command line only", "", *_table(_command_line_rows(parser))]
     for title, rows in grouped.items():
         lines += [f"## {title}", "", *_table(rows)]
+    lines += _peer_names()
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _peer_names() -> list[str]:
+    """The section of other trainers' names (``peer_names``), as the unknown-flag message
+    answers them."""
+    lines = [
+        "## Names from Hugging Face Trainer and torchtitan",
+        "",
+        "An unknown flag or config key that one of these trainers uses is answered with this "
+        "project's name for it, from this table, in one line with exit status 2 (a guess by "
+        "spelling comes only for names not here). Names they share with this project "
+        "(`--learning_rate`, `--max_steps`, `--report_to`, ...) are flags here already.",
+        "",
+        "| their name | this project |",
+        "|---|---|",
+    ]
+    for prefix, table in (("HF Trainer `", HF_TRAINER), ("torchtitan `", TORCHTITAN)):
+        lines += [f"| {prefix}{name}` | {flag} |" for name, flag in table.items()]
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
