@@ -112,14 +112,19 @@ def plan_model_config(config: TrainConfig) -> PretrainedConfig:
     return load_model_config(config.model)
 
 
-def dry_run(config: TrainConfig, env: DistEnv, data_tokens: int | None = None) -> str:
+def dry_run(
+    config: TrainConfig,
+    env: DistEnv,
+    data_tokens: int | None = None,
+    model_config: PretrainedConfig | None = None,
+) -> str:
     """The memory and FLOP plan of this run, as text; nothing is allocated or downloaded.
 
-    The model config comes from ``plan_model_config``. Device memory is --device-memory-gib,
-    else the visible GPU's, else 80 GiB. ``data_tokens``: the tokens of one pass over the
-    training data where known (``build.check_dry_run_inputs``), for the run length.
+    ``model_config``: the model's, else ``plan_model_config``'s. Device memory is
+    --device-memory-gib, else the visible GPU's, else 80 GiB. ``data_tokens``: the tokens of one
+    pass over the training data where known (``build.check_dry_run_inputs``), for the run length.
     """
-    model_config = plan_model_config(config)
+    model_config = model_config or plan_model_config(config)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
     plan, hints = plan_run(config, model_config, config.plan_world_size or env.world_size, memory)
     adapters = sum(plan.settings.adapter_sizes)

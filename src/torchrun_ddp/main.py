@@ -73,7 +73,7 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
         model_config = plan_model_config(config)
         data_tokens = check_dry_run_inputs(config, env, model_config)  # as a real start would
         if env.is_main:
-            print(dry_run(config, env, data_tokens))
+            print(dry_run(config, env, data_tokens, model_config))
         return True
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)
