@@ -7,8 +7,10 @@
 # A crashed worker makes torchrun restart the whole group (up to MAX_RESTARTS times); the
 # restarted workers resume from the newest complete checkpoint.
 # PRINT_ONLY=1 prints the torchrun command (shell-quoted) instead of running it.
+# The working directory stays the caller's: relative --config, --data-files and --output-dir
+# paths mean what they mean where the command was typed.
 set -euo pipefail
-cd "$(dirname "$0")"
+REPO="$(cd "$(dirname "$0")" && pwd)"
 
 NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
 NNODES="${NNODES:-1}"
@@ -27,7 +29,7 @@ RDZV_TIMEOUT="${RDZV_TIMEOUT:-900}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 if command -v uv >/dev/null 2>&1; then
-  TORCHRUN=(uv run torchrun)
+  TORCHRUN=(uv run --project "$REPO" torchrun)
 else
   TORCHRUN=(torchrun)
 fi
@@ -49,7 +51,7 @@ COMMAND=(
   --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"
   --rdzv_conf="join_timeout=$RDZV_TIMEOUT,last_call_timeout=30,close_timeout=60"
   --max_restarts="$MAX_RESTARTS"
-  train.py "$@"
+  "$REPO/train.py" "$@"
 )
 if [ "${PRINT_ONLY:-0}" = 1 ]; then
   printf '%q ' "${COMMAND[@]}"

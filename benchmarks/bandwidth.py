@@ -48,6 +48,7 @@ from types import FrameType
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
+    DCT_HOOKS,
     REPO,
     SHARED_DATA,
     RunSummary,
@@ -55,6 +56,7 @@ from common import (
     all_variants,
     check_data,
     data_args,
+    hook_flags,
     human_bytes,
     kill_group,
     markdown_table,
@@ -297,8 +299,8 @@ def train_args(args: argparse.Namespace, variant: Variant, output_dir: Path) -> 
     flags += ["--max-steps", str(args.warmup + args.steps), "--seq-length", str(args.seq_length)]
     flags += ["--batch-size", str(args.batch_size), "--log-every", "1", "--eval-every", "0"]
     flags += ["--eval-batches", "1", "--checkpoint-every", "0", "--timeout-s", "300"]
-    flags += ["--compression-block-size", str(args.block_size), *variant.flags]
-    return flags
+    flags += hook_flags(variant, "--compression-block-size", str(args.block_size), DCT_HOOKS)
+    return [*flags, *variant.flags]
 
 
 def node_command(nodes: TwoNodes, node: int, port: int, train: list[str]) -> list[str]:
@@ -428,7 +430,8 @@ def predicted_step(args: argparse.Namespace, variant: Variant, link_bits: float)
 def variant_settings(variant: Variant, block_size: int) -> CompressionSettings:
     """The CompressionSettings a variant's ``train.py`` flags select (through the trainer's
     own parser, so the two cannot disagree)."""
-    config = parse_config(["--compression-block-size", str(block_size), *variant.flags])
+    block = hook_flags(variant, "--compression-block-size", str(block_size), DCT_HOOKS)
+    config = parse_config([*block, *variant.flags])
     return compression_settings(config)
 
 

@@ -23,6 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 """The offline C4 sample and tokenizer (``../shared/data`` from the repository root)."""
 KILL_GRACE_S = 10.0
+DCT_HOOKS = ("dct", "dct-topk")
+"""The comm hooks that read --compression-block-size and --compression-error-feedback."""
+HOOKS = (*DCT_HOOKS, "fp16", "bf16", "powersgd")
+"""The comm hooks that read --compression-start-step (every one but none)."""
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 """``--compression-value-dtype`` values and their short names in variant names and labels."""
 
@@ -159,6 +163,20 @@ def _local(method: str, steps: int, values: str = "float32", topk: int = 64) -> 
 
 OPTIMIZERS = ("demo", "diloco", "sparseloco")
 """The ``--optimizer`` values other than ``adamw`` a variant may name."""
+
+
+def compression_of(variant: Variant) -> str:
+    """The ``--compression`` of a variant (``none`` where its flags name none)."""
+    flags = list(variant.flags)
+    if "--compression" not in flags:
+        return "none"
+    return flags[flags.index("--compression") + 1]
+
+
+def hook_flags(variant: Variant, flag: str, value: str, hooks: tuple[str, ...]) -> list[str]:
+    """``flag value`` when the variant's ``--compression`` is one of ``hooks`` (train.py refuses
+    a comm hook's flag under a hook that does not read it), else nothing."""
+    return [flag, value] if compression_of(variant) in hooks else []
 
 
 def optimizer_of(variant: Variant) -> str:

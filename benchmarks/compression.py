@@ -62,11 +62,14 @@ import matplotlib as mpl
 
 mpl.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
     ARGS_FILE,
+    DCT_HOOKS,
+    HOOKS,
     REPO,
     SHARED_DATA,
     RunSummary,
@@ -75,6 +78,7 @@ from common import (
     check_data,
     data_args,
     free_port,
+    hook_flags,
     human_bytes,
     made_with,
     markdown_table,
@@ -196,10 +200,11 @@ def train_args(
     flags += ["--seed", str(seed), "--eval-batches", str(args.eval_batches)]
     flags += ["--log-every", "1", "--eval-every", str(args.eval_every), "--checkpoint-every", "0"]
     flags += ["--epochs", str(args.epochs)]
-    flags += ["--compression-start-step", str(args.compression_start_step), *variant.flags]
+    start = str(args.compression_start_step)
+    flags += hook_flags(variant, "--compression-start-step", start, HOOKS)
     if args.no_error_feedback:
-        flags.append("--no-compression-error-feedback")
-    return flags
+        flags += hook_flags(variant, "--compression-error-feedback", "false", DCT_HOOKS)
+    return [*flags, *variant.flags]
 
 
 def recorded_args(args: argparse.Namespace, flags: list[str]) -> list[str]:
@@ -580,23 +585,28 @@ def footnote(args: argparse.Namespace) -> str:
 
 
 MARKERS = {
-    "demo": ("s", "tab:red"),
-    "diloco": ("^", "tab:green"),
-    "sparseloco": ("v", "tab:purple"),
+    "adamw": ("o", "tab:blue", "AdamW on compressed gradients"),
+    "demo": ("s", "tab:red", "DeMo"),
+    "diloco": ("^", "tab:green", "DiLoCo"),
+    "sparseloco": ("v", "tab:purple", "SparseLoCo"),
 }
-"""Marker and colour per optimizer in the PNG; AdamW on compressed gradients: blue circles."""
+"""Marker, colour and legend label per optimizer in the PNG."""
 
 
 def draw(points: list[Point], reference: Setting | None, path: Path) -> None:
     """The frontier PNG: paired change against wire bytes per token at each of
-    ``FRONTIER_WORLDS`` (one panel each, log x)."""
+    ``FRONTIER_WORLDS`` (one panel each, log x); the legend names only the optimizers drawn."""
     figure, axes = plt.subplots(1, len(FRONTIER_WORLDS), figsize=(13, 5), constrained_layout=True)
     for axis, world in zip(axes, FRONTIER_WORLDS, strict=True):
         _panel(axis, points, reference, world)
-    figure.suptitle(
-        "compression frontier (circles: AdamW on compressed gradients, squares: DeMo, "
-        "triangles: DiLoCo up, SparseLoCo down)"
-    )
+    drawn = {optimizer_of(p.setting.variant) for p in points if p.setting is not reference}
+    handles = [
+        Line2D([], [], marker=marker, color=colour, linestyle="none", label=label)
+        for name, (marker, colour, label) in MARKERS.items()
+        if name in drawn
+    ]
+    figure.legend(handles=handles, loc="outside lower center", ncol=len(handles) or 1)
+    figure.suptitle("compression frontier: held-out loss change against wire bytes per token")
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
@@ -610,7 +620,7 @@ def _panel(axis: plt.Axes, points: list[Point], reference: Setting | None, world
         if point.setting is reference or math.isnan(x):
             continue
         mean, se = point.change
-        marker, colour = MARKERS.get(optimizer_of(point.setting.variant), ("o", "tab:blue"))
+        marker, colour, _ = MARKERS[optimizer_of(point.setting.variant)]
         axis.errorbar(
             x, mean, yerr=0.0 if math.isnan(se) else se, fmt=marker, color=colour, capsize=4
         )
@@ -628,9 +638,9 @@ def _panel(axis: plt.Axes, points: list[Point], reference: Setting | None, world
             label="dense AdamW wire bytes",
         )  # fmt: skip
     axis.set_xscale("log")
-    axis.set_xlabel(f"wire bytes per rank per trained token at W = {world} (ring model)")
+    axis.set_xlabel(f"wire bytes per rank per trained token at W = {world} (ring model, log)")
     axis.set_ylabel("held-out loss vs dense AdamW (%, paired by seed, +- SE)")
-    axis.legend(loc="upper right", fontsize=8)
+    axis.legend(loc="best", fontsize=8)
 
 
 def dense_reference(settings: list[Setting]) -> Setting | None:

@@ -85,6 +85,7 @@ from common import (
     train_env,
     wait_all,
 )
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.dry_run import run_estimate, trained_shapes
@@ -389,14 +390,21 @@ def _speedup(dense: float, total: float) -> str:
     return f"{dense / total:.2f}x"
 
 
+MARKERS = "osv^D<>phX*P"
+"""Line markers: with ``tab10``'s colours, twelve methods each get a colour-and-marker pair of
+their own."""
+
+
 def draw(path: Path, variants: list[Variant], curves: Curves, timing: Timing, step: int) -> None:
     """Held-out loss minus the method's target (dense AdamW's at ``step``, same seeds and
     held-out set) against wall-clock seconds, one line per method, one panel per link: a line
-    crosses 0 where the method reaches dense's loss. Colours from the 20-colour ``tab20`` map
-    (distinct up to 20 methods); overlapped methods dashed."""
+    crosses 0 where the method reaches dense's loss. Each method has its own colour (``tab10``)
+    and marker; overlapped methods dashed; one legend for all panels, below them."""
     links = list(timing.measured)
-    figure, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.8), squeeze=False)
-    colours = plt.get_cmap("tab20").colors
+    figure, axes = plt.subplots(
+        1, len(links), figsize=(6 * len(links), 6), squeeze=False, constrained_layout=True
+    )
+    colours = plt.get_cmap("tab10").colors
     for axis, spec in zip(axes[0], links, strict=True):
         for index, variant in enumerate(variants):
             curve, target = curves.by_method.get(variant.name), curves.target(variant.name)
@@ -405,18 +413,27 @@ def draw(path: Path, variants: list[Variant], curves: Curves, timing: Timing, st
             seconds = timing.seconds[(spec, variant.name)]
             points = [(n * seconds, loss - target) for n, loss in curve.items() if n > 0]
             style = "--" if "--overlap-exchange" in variant.flags else "-"
-            colour = colours[index % len(colours)]
             axis.plot(
-                *zip(*points, strict=True), style, marker=".", color=colour, label=variant.label
-            )
+                *zip(*points, strict=True), style, color=colours[index % len(colours)],
+                marker=MARKERS[index % len(MARKERS)], markersize=4, label=variant.label,
+            )  # fmt: skip
         axis.axhline(0.0, color="grey", linestyle="--", linewidth=0.8)
-        axis.set(title=f"link {spec}", xlabel="wall-clock seconds (log)")
-        axis.set(ylabel=f"held-out loss - dense AdamW's at step {step}")
-        axis.set_xscale("log")
-        axis.legend(fontsize=6)
-    figure.tight_layout()
+        axis.set(title=f"link {spec}", xlabel="wall-clock seconds (log scale)")
+        axis.set(ylabel=f"held-out loss - dense AdamW's at step {step} (nats/token)")
+        _plain_log_ticks(axis)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _plain_log_ticks(axis: plt.Axes) -> None:
+    """A log x axis labelled at 1, 2 and 5 of each decade in plain numbers (30, 50, 100, 200),
+    minor ticks unlabelled, so no two labels overlap."""
+    axis.set_xscale("log")
+    axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.xaxis.set_minor_formatter(NullFormatter())
 
 
 def frontier_run(curves: Curves, method: str, seed: int) -> Path:

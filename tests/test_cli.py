@@ -212,3 +212,57 @@ def test_dry_run_plans_llama2_7b_lora_on_one_24gb_gpu_offline(
     assert "6,738,415,616 parameters (+ 19,988,480 LoRA adapter parameters, trained)" in out
     assert "| weights (frozen bf16 base + fp32 LoRA adapters) | 12.63 |" in out
     assert "| verdict | fits, " in out and "1 x 24 GiB" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--data-files", "missing/*.json.gz"], "--data-files missing/*.json.gz matches no file"),
+        (["--tokenizer", "./no-tokenizer"], "tokenizer folder no-tokenizer does not exist"),
+        (["--output-dir", "a-file"], "--output-dir a-file is a file, not a folder"),
+    ],
+)
+def test_dry_run_checks_the_inputs_a_start_checks(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    sample_data: Path,
+    tmp_path: Path,
+    flags: list[str],
+    message: str,
+) -> None:
+    """--dry-run refuses what a real start refuses (data files, tokenizer, output folder), in
+    one line with status 2, and creates nothing."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    err = _error_line(capsys, [*_tiny_args(sample_data, tmp_path), *flags, "--dry-run"])
+    assert message in err.replace(str(tmp_path) + "/", "")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_dry_run_prints_steps_tokens_epochs_and_time(
+    capsys: pytest.CaptureFixture[str], sample_data: Path, tmp_path: Path
+) -> None:
+    """The run-length line: --max-steps x tokens per step, the epochs those tokens are of the
+    training files (counted here as training packs them), and the compute time, which halves
+    at twice --plan-tflops."""
+    from torchrun_ddp.training_data import count_tokens, load_tokenizer, resolve_files  # noqa: PLC0415
+
+    args = [*_tiny_args(sample_data, tmp_path), "--dry-run", "--max-steps", "40"]
+    config = parse_config(args)
+    files = resolve_files(config.data_files, "--data-files")
+    data = count_tokens(files, load_tokenizer(config.tokenizer), 10**12)
+    assert data
+    per_step = config.batch_size * config.seq_length * config.accumulation_steps
+    lines = {}
+    for tflops in ("100", "200"):
+        assert train.main([*args, "--plan-tflops", tflops]) == 0
+        out = capsys.readouterr().out
+        lines[tflops] = next(line for line in out.splitlines() if line.startswith("run length"))
+    expected = (
+        f"run length: 40 optimizer steps (--max-steps) x {per_step:,} tokens = "
+        f"{40 * per_step:,} tokens, {40 * per_step / data:.3g} epochs of the training data's "
+        f"{data:,} tokens; compute "
+    )
+    assert lines["100"].startswith(expected), lines["100"]
+    slow, fast = (float(lines[key].split("compute ")[1].split()[0]) for key in ("100", "200"))
+    assert slow == pytest.approx(2 * fast, rel=0.01)

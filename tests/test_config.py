@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,27 @@ def test_keep_global_batch_accumulation() -> None:
     with pytest.raises(UserError, match=r"1 ranks x 2 micro-batches .* over 3 ranks") as info:
         global_batch_accumulation(2, 1, 3)
     assert "--keep-global-batch" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_help_is_grouped_by_the_configuration_pages_sections(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--help has one heading per ``# Section`` of TrainConfig, in the configuration page's
+    order, and each field's flag under its own heading."""
+    from torchrun_ddp.config_io import sections  # noqa: PLC0415
+
+    build_parser().print_help()
+    blocks: dict[str, str] = {}
+    title = ""
+    for line in capsys.readouterr().out.splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            title = line[:-1]
+            blocks[title] = ""
+        elif title:
+            blocks[title] += line + "\n"
+    titles = list(dict.fromkeys(sections().values()))
+    assert list(blocks) == ["options", *titles]
+    for name, section in sections().items():
+        flag = re.compile(rf"--{name.replace('_', '-')}(?![\w-])")
+        assert flag.search(blocks[section]), (name, section)
+    assert re.search(r"--config(?![\w-])", blocks["options"])

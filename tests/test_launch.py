@@ -41,7 +41,33 @@ def test_run_sh_prints_a_multi_node_command() -> None:
         "--rdzv_id=default",
     ]
     assert "--rdzv_endpoint=node0:29400" in command and "--max_restarts=3" in command
-    assert command[-5:] == ["train.py", "--config", "configs/tiny.toml", "--output-dir", "a b"]
+    assert command[-5] == str(REPO / "train.py")
+    assert command[-4:] == ["--config", "configs/tiny.toml", "--output-dir", "a b"]
+
+
+FAKE_UV = """#!/usr/bin/env bash
+printf 'cwd=%s\\n' "$PWD"
+printf '%s\\n' "$@"
+"""
+
+
+def test_run_sh_keeps_the_callers_working_directory(tmp_path: Path) -> None:
+    """run.sh runs torchrun (here a stand-in uv that prints where it runs and its arguments)
+    in the caller's folder, with the repository's train.py and environment."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "uv").write_text(FAKE_UV)
+    (bin_dir / "uv").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("PRINT_ONLY", None)
+    result = subprocess.run(
+        [str(REPO / "run.sh"), "--config", "my.toml"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"cwd={tmp_path}"
+    assert lines[1:4] == ["run", "--project", str(REPO)]
+    assert lines[-3:] == [str(REPO / "train.py"), "--config", "my.toml"]
 
 
 def test_run_sh_elastic_nnodes_leaves_node_ranks_to_the_rendezvous() -> None:
@@ -76,7 +102,7 @@ def test_slurm_example_launches_run_sh_on_every_node(tmp_path: Path) -> None:
         assert f"--node_rank={node_rank}" in command
         assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv_id=4242"} <= set(command)
         assert "--rdzv_endpoint=gpu-a17:29400" in command, "the job's first node hosts rendezvous"
-        assert command[-3:] == ["train.py", "--config", "c.toml"]
+        assert command[-3:] == [str(REPO / "train.py"), "--config", "c.toml"]
 
 
 def test_slurm_example_needs_the_repository(tmp_path: Path) -> None:

@@ -9,10 +9,12 @@ they do not import each other.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +41,7 @@ from torchrun_ddp.metrics import (
     LogWindow,
     MetricsLogger,
     build_metrics,
+    check_wandb_installed,
     device_peak_flops,
 )
 from torchrun_ddp.model import (
@@ -54,7 +57,7 @@ from torchrun_ddp.model import (
     trainable_parameter_sizes,
     wrap_ddp,
 )
-from torchrun_ddp.optim import build_scheduler
+from torchrun_ddp.optim import ScheduleSettings, build_scheduler
 from torchrun_ddp.parallelize import (
     build_mesh,
     load_from_rank0,
@@ -72,6 +75,7 @@ from torchrun_ddp.training_data import (
     build_train_loader,
     count_tokens,
     eval_batches,
+    is_local_path,
     load_tokenizer,
     open_documents,
     resolve_files,
@@ -94,20 +98,8 @@ class Inputs:
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     """Check the model, memory plan, tokenizer, data paths and the method's settings; raises
     UserError on the first problem."""
-    method_for(config)
-    check_device(config.device)
-    if config.compression_scope == "inter-node":
-        check_node_layout(env)
-    if config.data_parallel != "ddp":  # the mesh must divide the ranks
-        mesh_shape(config.data_parallel, env.world_size, env.local_world_size, config.shard_degree)
     model_config = load_model_config(config.model)
-    check_causal_lm(model_config, config.model)
-    limit = max_positions(model_config)
-    if limit and config.seq_length > limit:
-        raise UserError(
-            f"--seq-length {config.seq_length} exceeds the model's {limit} positions; "
-            f"use --seq-length {limit} or less"
-        )
+    check_settings(config, env, model_config)
     check_fits(config, model_config, env)
     check_paths(config)
     check_data_error(config)
@@ -123,6 +115,48 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         train_documents=open_documents(train_files, *hub, split="train"),
         eval_documents=open_documents(eval_files, *hub, split="validation"),
     )
+
+
+def check_settings(config: TrainConfig, env: DistEnv, model_config: PretrainedConfig) -> None:
+    """The start-up checks that need no file but the model's config: the method's settings, the
+    device, the node layout of a node-aware scope, a causal LM, --seq-length within its
+    positions, a --data-parallel mesh that divides the ranks. Raises UserError on the first
+    problem."""
+    method_for(config)
+    if config.report_to == "wandb":
+        check_wandb_installed()
+    check_device(config.device)
+    if config.compression_scope == "inter-node":
+        check_node_layout(env)
+    if config.data_parallel != "ddp":  # the mesh must divide the ranks
+        mesh_shape(config.data_parallel, env.world_size, env.local_world_size, config.shard_degree)
+    check_causal_lm(model_config, config.model)
+    limit = max_positions(model_config)
+    if limit and config.seq_length > limit:
+        raise UserError(
+            f"--seq-length {config.seq_length} exceeds the model's {limit} positions; "
+            f"use --seq-length {limit} or less"
+        )
+
+
+def check_dry_run_inputs(
+    config: TrainConfig, env: DistEnv, model_config: PretrainedConfig
+) -> int | None:
+    """--dry-run's share of a real start's checks (``prepare_inputs`` but the memory fit, which
+    the plan reports instead): settings, output and checkpoint folders, an earlier data error,
+    a local tokenizer, the data files. Returns the tokens one pass over the local training
+    files gives (``count_tokens``), or None where they are not counted (hub streaming, files
+    over 64 MiB, or a hub tokenizer, which --dry-run does not download). Raises UserError."""
+    check_settings(config, env, model_config)
+    check_paths(config)
+    check_data_error(config)
+    name = config.tokenizer or config.model
+    tokenizer = load_tokenizer(name) if is_local_path(name) else None
+    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
+    resolve_files(config.eval_files, "--eval-files", config.max_bad_records)
+    if tokenizer is None:
+        return None
+    return count_tokens(train_files, tokenizer, sys.maxsize)
 
 
 def check_enough_tokens(
@@ -395,6 +429,28 @@ def flops_per_token(
     )
 
 
+def wandb_config(config: TrainConfig) -> dict[str, object] | None:
+    """The config a Weights & Biases run records under --report-to wandb (the resolved config,
+    which holds no secret), else None."""
+    if config.report_to != "wandb":
+        return None
+    return dataclasses.asdict(config)
+
+
+def schedule_settings(config: TrainConfig) -> ScheduleSettings:
+    """The learning-rate schedule's settings (``optim.build_scheduler``) from the config."""
+    return ScheduleSettings(
+        name=config.lr_scheduler,
+        lr=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        total_steps=config.max_steps,
+        cycle_steps=config.restart_every,
+        cycle_mult=config.restart_mult,
+        min_lr=config.min_lr,
+        decay_steps=config.decay_steps,
+    )
+
+
 def tokens_per_step(config: TrainConfig, env: DistEnv) -> int:
     """Tokens trained per optimizer step over all ranks."""
     return config.batch_size * config.accumulation_steps * config.seq_length * env.world_size
@@ -491,9 +547,7 @@ def build_trainer(
     method = method_for(config)
     model, ddp_model, compression = build_parallel_model(config, device, inputs, env, method)
     optimizer = method.build(model, compression)
-    scheduler = build_scheduler(
-        optimizer, config.warmup_steps, config.restart_every, config.restart_mult, config.min_lr
-    )
+    scheduler = build_scheduler(optimizer, schedule_settings(config))
     torch.manual_seed(config.seed + env.rank)
     compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
     peak, peak_source = config.peak_tflops * 1e12, "--peak-tflops"
@@ -520,7 +574,9 @@ def build_trainer(
         compression=compression,
         data=build_train_data(config, env, inputs, device),
         eval_set=build_eval_set(config, env, inputs, device),
-        metrics=build_metrics(Path(config.output_dir), env.is_main, config.tensorboard, run_id),
+        metrics=build_metrics(
+            Path(config.output_dir), env.is_main, config.tensorboard, run_id, wandb_config(config)
+        ),
         window=LogWindow(device, tokens, flops, peak * env.world_size if peak else math.inf),
         tokenizer=inputs.tokenizer,
         run_id=run_id,

@@ -125,12 +125,35 @@ class TrainConfig:
         "sparseloco).",
     )
     weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to norms and biases).")
+    lr_scheduler: str = _opt(
+        "cosine-restarts",
+        "Learning-rate schedule after --warmup-steps of linear warmup. cosine-restarts: cosine "
+        "cycles from --learning-rate to --min-lr, restarting every --restart-every steps (SGDR); "
+        "cosine: one cosine to --min-lr at --max-steps; linear: straight to 0 at --max-steps; "
+        "constant; wsd: warmup-stable-decay, constant, then a linear decay to --min-lr over the "
+        "last --decay-steps. cosine, linear, constant and wsd are transformers' schedulers (HF "
+        "Trainer's lr_scheduler_type); cosine, linear and wsd need --max-steps.",
+        choices=["cosine-restarts", "cosine", "linear", "constant", "wsd"],
+    )
     warmup_steps: int = _opt(250, "Optimizer steps of linear warmup.")
     restart_every: int = _opt(
-        1000, "Length in optimizer steps of the first cosine cycle after warmup (T_0)."
+        1000,
+        "--lr-scheduler cosine-restarts: length in optimizer steps of the first cosine cycle "
+        "after warmup (T_0).",
     )
-    restart_mult: int = _opt(1, "Factor by which each cosine cycle is longer than the last.")
-    min_lr: float = _opt(0.0, "Learning rate at the bottom of each cosine cycle.")
+    restart_mult: int = _opt(
+        1, "--lr-scheduler cosine-restarts: factor by which each cycle is longer than the last."
+    )
+    min_lr: float = _opt(
+        0.0,
+        "Learning rate at the bottom of each cosine cycle (cosine-restarts), at the end of "
+        "cosine, and after wsd's decay.",
+    )
+    decay_steps: int = _opt(
+        0,
+        "--lr-scheduler wsd: optimizer steps of the final decay; 0: the last fifth of --max-steps "
+        "(Hagele et al. 2024, arXiv:2405.18392).",
+    )
     adamw_implementation: str = _opt(
         "fused",
         "AdamW kernel: fused (one kernel, fastest on CPU and CUDA), foreach (multi-tensor) or "
@@ -404,6 +427,14 @@ class TrainConfig:
     eval_batches: int = _opt(8, "Micro-batches of held-out windows per rank in each evaluation.")
     tensorboard: bool = _opt(
         False, "Also write TensorBoard event files to <output-dir>/tensorboard."
+    )
+    report_to: str = _opt(
+        "none",
+        "wandb: also log every metrics.jsonl record and the resolved config to Weights & Biases "
+        "(needs the wandb extra: uv sync --extra wandb; project from WANDB_PROJECT, else "
+        "torchrun-ddp; WANDB_MODE=offline writes the run to <output-dir>/wandb only). The wandb "
+        "run's id is the checkpoint's run id, so a resumed run continues the same wandb run.",
+        choices=["none", "wandb"],
     )
     peak_tflops: float = _opt(
         0.0,

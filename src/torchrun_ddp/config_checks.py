@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torchrun_ddp.config import TrainConfig, flag_name
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.methods import check_methods
+from torchrun_ddp.methods import Owners, check_methods, refuse_unused
 
 _POSITIVE = ("seq_length", "batch_size", "accumulation_steps", "learning_rate", "epochs")
 _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "timeout_s")
@@ -20,11 +20,28 @@ _NON_NEGATIVE += ("max_bad_records", "train_timeout_s", "buddy_copies", "max_los
 _NON_NEGATIVE += ("device_memory_gib", "peak_tflops")
 _POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit", "plan_tflops")
 _POSITIVE += ("plan_gpus_per_node",)
-_NON_NEGATIVE += ("plan_world_size", "shard_degree")
+_NON_NEGATIVE += ("plan_world_size", "shard_degree", "decay_steps")
+
+LORA_FLAGS: Owners = {
+    name: ("peft", ("lora",))
+    for name in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+}
+"""The adapters' flags, read under --peft lora only."""
+SCHEDULE_FLAGS: Owners = {
+    "restart_every": ("lr_scheduler", ("cosine-restarts",)),
+    "restart_mult": ("lr_scheduler", ("cosine-restarts",)),
+    "min_lr": ("lr_scheduler", ("cosine-restarts", "cosine", "wsd")),
+    "decay_steps": ("lr_scheduler", ("wsd",)),
+}
+"""The schedules' own flags and the --lr-scheduler values that read them."""
+LENGTH_SCHEDULES = ("cosine", "linear", "wsd")
+"""The schedules that need the run's length (--max-steps)."""
 
 
-def validate(config: TrainConfig) -> None:
-    """Reject invalid values with a UserError naming the flag and the fix."""
+def validate(config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
+    """Reject invalid values with a UserError naming the flag and the fix; ``given``: the fields
+    set on the command line or in the config file (``config_io.given_fields``), whose flags are
+    refused where the chosen method, --compression or --peft does not read them."""
     for name in _POSITIVE:
         if getattr(config, name) <= 0:
             raise UserError(f"--{flag_name(name)} must be > 0, got {getattr(config, name)}")
@@ -33,16 +50,18 @@ def validate(config: TrainConfig) -> None:
             raise UserError(f"--{flag_name(name)} must be >= 0, got {getattr(config, name)}")
     if config.max_steps == 0 or config.max_steps < -1:
         raise UserError(f"--max-steps must be -1 (end of data) or > 0, got {config.max_steps}")
-    _validate_combinations(config)
+    _validate_combinations(config, given)
 
 
-def _validate_combinations(config: TrainConfig) -> None:
+def _validate_combinations(config: TrainConfig, given: frozenset[str]) -> None:
     """Reject options that are valid alone but not together."""
     if config.min_lr > config.learning_rate:
         raise UserError("--min-lr must not exceed --learning-rate")
     _validate_lora(config)
+    _validate_schedule(config)
     _validate_data_parallel(config)
-    check_methods(config)
+    refuse_unused(config, given, {**LORA_FLAGS, **SCHEDULE_FLAGS})
+    check_methods(config, given)
     if config.ddp_static_graph and config.accumulation_steps > 1:
         raise UserError(
             "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "
@@ -83,6 +102,22 @@ def _validate_data_parallel(config: TrainConfig) -> None:
         raise UserError(
             f"--checkpoint-storage node-local is not supported under --data-parallel {mode} "
             "yet (a node's folder would hold only its ranks' shards); use a shared folder"
+        )
+
+
+def _validate_schedule(config: TrainConfig) -> None:
+    """Reject a schedule that needs the run's length without --max-steps, and a wsd decay that
+    does not fit after the warmup."""
+    name = config.lr_scheduler
+    if name in LENGTH_SCHEDULES and config.max_steps < 0:
+        raise UserError(
+            f"--lr-scheduler {name} decays over the run's length; set --max-steps, or use "
+            "--lr-scheduler cosine-restarts or constant"
+        )
+    if name == "wsd" and config.warmup_steps + config.decay_steps > config.max_steps:
+        raise UserError(
+            f"--lr-scheduler wsd: --warmup-steps {config.warmup_steps} + --decay-steps "
+            f"{config.decay_steps} exceed --max-steps {config.max_steps}; lower them"
         )
 
 

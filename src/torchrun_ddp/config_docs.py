@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
-import re
 import sys
 from pathlib import Path
 from typing import get_type_hints
@@ -20,13 +18,12 @@ from typing import get_type_hints
 import tomli_w
 
 from torchrun_ddp.config import TrainConfig
-from torchrun_ddp.config_io import build_parser
+from torchrun_ddp.config_io import build_parser, sections
+from torchrun_ddp.peer_names import HF_TRAINER, TORCHTITAN
 
 REGENERATE = "uv run python -m torchrun_ddp.config_docs --out docs/configuration.md"
 """The command that rewrites the page; the staleness test prints it."""
 
-_SECTION = re.compile(r"^    # (?P<title>\S.*)$")
-_FIELD = re.compile(r"^    (?P<name>[a-z_][a-z0-9_]*): ")
 
 _PREAMBLE = f"""\
 # Configuration
@@ -53,25 +50,6 @@ reads back; `--print-config` prints it without training. Boolean options take `-
 Defaults are shown as TOML values. This page is generated from the code: `train.py --help`
 prints the same help text.
 """
-
-
-def sections() -> dict[str, str]:
-    """Field name -> the title of the ``# Section`` comment above it in TrainConfig's source.
-
-    Fields above the first section comment get the title "General".
-    """
-    lines, _ = inspect.getsourcelines(TrainConfig)
-    title = "General"
-    found: dict[str, str] = {}
-    for line in lines:
-        section = _SECTION.match(line)
-        if section:
-            title = section.group("title")
-            continue
-        field = _FIELD.match(line)
-        if field:
-            found[field.group("name")] = title
-    return found
 
 
 def option_strings(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
@@ -146,7 +124,27 @@ def render() -> str:
     lines = [_PREAMBLE, "## Command line only", "", *_table(_command_line_rows(parser))]
     for title, rows in grouped.items():
         lines += [f"## {title}", "", *_table(rows)]
+    lines += _peer_names()
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _peer_names() -> list[str]:
+    """The section of other trainers' names (``peer_names``), as the unknown-flag message
+    answers them."""
+    lines = [
+        "## Names from Hugging Face Trainer and torchtitan",
+        "",
+        "An unknown flag or config key that one of these trainers uses is answered with this "
+        "project's name for it, from this table, in one line with exit status 2 (a guess by "
+        "spelling comes only for names not here). Names they share with this project "
+        "(`--learning_rate`, `--max_steps`, `--report_to`, ...) are flags here already.",
+        "",
+        "| their name | this project |",
+        "|---|---|",
+    ]
+    for prefix, table in (("HF Trainer `", HF_TRAINER), ("torchtitan `", TORCHTITAN)):
+        lines += [f"| {prefix}{name}` | {flag} |" for name, flag in table.items()]
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
 import os
+import re
 import tomllib
 from functools import cache
 from pathlib import Path
@@ -26,6 +28,7 @@ from transformers import HfArgumentParser
 from torchrun_ddp.config import PRESETS, TrainConfig, field_names, flag_name
 from torchrun_ddp.config_checks import validate
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.peer_names import peer_flag
 
 
 def load_toml(path: str) -> dict[str, object]:
@@ -39,11 +42,23 @@ def load_toml(path: str) -> dict[str, object]:
         values = tomllib.loads(file.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from exc
-    unknown = [key for key in values if key.replace("-", "_") not in field_names()]
+    unknown = [
+        _file_key(key, value)
+        for key, value in values.items()
+        if key.replace("-", "_") not in field_names()
+    ]
     if unknown:
         raise UserError(f"config file {path}: {_unknown_message(unknown[0])}")
     flat = {key.replace("-", "_"): value for key, value in values.items()}
     return resolve_input_paths(check_file_values(flat, path), file.resolve().parent)
+
+
+def _file_key(key: str, value: object) -> str:
+    """An unknown top-level key of a config file, as ``section.key`` for a TOML table (the
+    first key of torchtitan's ``[training]`` gives ``training.steps``)."""
+    if isinstance(value, dict) and value:
+        return f"{key}.{next(iter(value))}"
+    return key
 
 
 @cache
@@ -125,10 +140,14 @@ def _joined(base: Path, value: str) -> str:
 
 
 def _unknown_message(name: str) -> str:
-    """'unknown option X; did you mean Y?' with the nearest valid field name; for ``--no-X`` of
-    a switch that is off by default, how to turn it off (``--X false``) when a config file
-    turned it on."""
+    """'unknown option X: this project calls it Y' for a Hugging Face Trainer or torchtitan name
+    (``peer_names``); else 'unknown option X; did you mean Y?' with the nearest valid field name;
+    for ``--no-X`` of a switch that is off by default, how to turn it off (``--X false``) when a
+    config file turned it on."""
     key = name.lstrip("-").split("=")[0].replace("-", "_")
+    peer = peer_flag(key)
+    if peer:
+        return f"unknown option {name}: this project calls it {peer}"
     switch = key.removeprefix("no_")
     if key != switch and switch in _switches_off_by_default():
         return f"unknown option {name}; use --{switch.replace('_', '-')} false"
@@ -146,8 +165,51 @@ def _switches_off_by_default() -> set[str]:
     }
 
 
+_SECTION = re.compile(r"^    # (?P<title>\S.*)$")
+_FIELD = re.compile(r"^    (?P<name>[a-z_][a-z0-9_]*): ")
+
+
+@cache
+def sections() -> dict[str, str]:
+    """Field name -> the title of the ``# Section`` comment above it in TrainConfig's source
+    (the configuration page's and ``--help``'s sections).
+
+    Fields above the first section comment get the title "General".
+    """
+    lines, _ = inspect.getsourcelines(TrainConfig)
+    title = "General"
+    found: dict[str, str] = {}
+    for line in lines:
+        section = _SECTION.match(line)
+        if section:
+            title = section.group("title")
+            continue
+        field = _FIELD.match(line)
+        if field:
+            found[field.group("name")] = title
+    return found
+
+
+def group_by_section(parser: argparse.ArgumentParser) -> None:
+    """Move each field's flags from the parser's one options group into an argument group per
+    ``sections`` title, in source order, so ``--help`` reads like the configuration page.
+    argparse keeps a group's entries in ``_group_actions``; parsing does not look at groups."""
+    titles = sections()
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    default_group = parser._optionals
+    for action in list(default_group._group_actions):
+        title = titles.get(action.dest)
+        if title is None:
+            continue
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        default_group._group_actions.remove(action)
+        groups[title]._group_actions.append(action)
+
+
 def build_parser() -> HfArgumentParser:
-    """The command-line parser: ``--config FILE`` plus one flag per TrainConfig field."""
+    """The command-line parser: ``--config FILE`` plus one flag per TrainConfig field, grouped in
+    ``--help`` by the configuration page's sections."""
     parser = HfArgumentParser(
         TrainConfig,
         description="Train a causal LM (LLaMA and any AutoModelForCausalLM) with PyTorch DDP "
@@ -164,6 +226,7 @@ def build_parser() -> HfArgumentParser:
     )
     for action in parser._actions:  # show --seq-length before its alias --seq_length
         action.option_strings.sort(key=lambda option: "_" in option)
+    group_by_section(parser)
     return parser
 
 
@@ -187,12 +250,40 @@ def parse_config(argv: list[str]) -> TrainConfig:
         raise UserError(f"{exc}; see --help") from exc
     if unknown:
         raise UserError(_unknown_message(unknown[0]))
+    given = given_fields(parser, argv, values)
     values = {name: getattr(namespace, name) for name in field_names()}
     # Flags name paths relative to the working directory; save them absolute so that the saved
     # config means the same from anywhere (config-file paths were resolved by load_toml).
     config = TrainConfig(**resolve_input_paths(values, Path.cwd()))
-    validate(config)
+    validate(config, given)
     return config
+
+
+_UNSET = object()
+"""Marks a field that the command line did not set (``given_fields``)."""
+
+
+def given_fields(
+    parser: argparse.ArgumentParser, argv: list[str], file_values: dict[str, object]
+) -> frozenset[str]:
+    """The fields ``argv`` sets (any value, the default's included) and those the config file
+    sets to a value other than the default (a saved or printed config lists every field, so its
+    defaults say nothing). Defaults from a preset are not given.
+
+    ``argv`` is parsed a second time into a namespace that already holds a marker for every
+    field: argparse fills in defaults only for missing attributes, so a field still holding the
+    marker was not on the command line."""
+    marked = argparse.Namespace(**dict.fromkeys(field_names(), _UNSET))
+    namespace, _ = parser.parse_known_args(argv, namespace=marked)
+    flags = {name for name in field_names() if getattr(namespace, name) is not _UNSET}
+    defaults = default_values()
+    in_file = {name for name, value in file_values.items() if value != defaults[name]}
+    return frozenset(flags | in_file)
+
+
+def default_values() -> dict[str, object]:
+    """Every TrainConfig field's default value."""
+    return dataclasses.asdict(TrainConfig())
 
 
 def to_toml(config: TrainConfig) -> str:

@@ -106,17 +106,27 @@ def plan_run(
     return plan, suggestions(model_config, sum(sizes), settings, parameter_sizes=sizes)
 
 
-def dry_run(config: TrainConfig, env: DistEnv) -> str:
+def plan_model_config(config: TrainConfig) -> PretrainedConfig:
+    """The model config a plan uses: LLaMA-2-7B's from the facts the package carries (no hub
+    access or token needed), other models' loaded as usual (UserError where that fails)."""
+    if config.model == "meta-llama/Llama-2-7b-hf":
+        return llama2_7b_config()
+    return load_model_config(config.model)
+
+
+def dry_run(
+    config: TrainConfig,
+    env: DistEnv,
+    data_tokens: int | None = None,
+    model_config: PretrainedConfig | None = None,
+) -> str:
     """The memory and FLOP plan of this run, as text; nothing is allocated or downloaded.
 
-    LLaMA-2-7B's architecture comes from the facts the package carries (no hub access or token
-    needed); other models' configs are loaded as usual. Device memory is --device-memory-gib,
-    else the visible GPU's, else 80 GiB.
+    ``model_config``: the model's, else ``plan_model_config``'s. Device memory is
+    --device-memory-gib, else the visible GPU's, else 80 GiB. ``data_tokens``: the tokens of one
+    pass over the training data where known (``build.check_dry_run_inputs``), for the run length.
     """
-    if config.model == "meta-llama/Llama-2-7b-hf":
-        model_config: PretrainedConfig = llama2_7b_config()
-    else:
-        model_config = load_model_config(config.model)
+    model_config = model_config or plan_model_config(config)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
     plan, hints = plan_run(config, model_config, config.plan_world_size or env.world_size, memory)
     adapters = sum(plan.settings.adapter_sizes)
@@ -124,6 +134,7 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     lines = [
         f"model {config.model}: {plan.parameters:,} parameters{trained}, "
         f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
+        run_length(config, plan.settings.world_size, data_tokens, plan.flops_per_token),
         f"plan per rank: {plan.settings.describe()}",
         plan.table(),
     ]
@@ -137,6 +148,55 @@ def dry_run(config: TrainConfig, env: DistEnv) -> str:
     lines.append(communication_plan(config, env, shapes, plan.flops_per_token))
     lines.append(checkpoint_plan(config, plan, shapes))
     return "\n".join(lines)
+
+
+def planned_steps(config: TrainConfig, world_size: int, data_tokens: int | None) -> int | None:
+    """Optimizer steps the run takes: --max-steps, or the steps --epochs passes over
+    ``data_tokens`` fill (whichever ends it first), None where neither is known (hub
+    streaming without --max-steps). Packing ends each pass on a whole window per rank, so the
+    data's count is an upper bound by at most one step a pass."""
+    per_step = world_size * config.batch_size * config.seq_length * config.accumulation_steps
+    data_steps = None if data_tokens is None else data_tokens * config.epochs // per_step
+    if config.max_steps < 0:
+        return data_steps
+    return config.max_steps if data_steps is None else min(config.max_steps, data_steps)
+
+
+def run_length(
+    config: TrainConfig, world_size: int, data_tokens: int | None, flops_per_token: float
+) -> str:
+    """One line: the run's optimizer steps (``planned_steps``), tokens, passes over the
+    training data, and its compute time in hours at --plan-tflops per rank (communication not
+    included: see the communication plan's step times)."""
+    steps = planned_steps(config, world_size, data_tokens)
+    if steps is None:
+        return (
+            "run length: unknown (--max-steps -1 streams the hub dataset to its end); set "
+            "--max-steps for a planned length"
+        )
+    per_rank = config.batch_size * config.seq_length * config.accumulation_steps
+    tokens = steps * per_rank * world_size
+    seconds = steps * per_rank * flops_per_token / (config.plan_tflops * 1e12)
+    why = "--max-steps" if steps == config.max_steps else f"--epochs {config.epochs}"
+    data = (
+        f", {tokens / data_tokens:.3g} epochs of the training data's {data_tokens:,} tokens"
+        if data_tokens
+        else ""
+    )
+    return (
+        f"run length: {steps:,} optimizer steps ({why}) x {per_rank * world_size:,} tokens = "
+        f"{tokens:,} tokens{data}; compute {duration(seconds)} at {config.plan_tflops:g} "
+        "TFLOP/s per rank (communication not included)"
+    )
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that keeps the number above 1: ``42 s``, ``3.5 min``,
+    ``2.1 h``, ``4.2 days``."""
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
 
 
 def checkpoint_plan(config: TrainConfig, plan: MemoryPlan, shapes: list[tuple[int, ...]]) -> str:

@@ -29,6 +29,7 @@ from torchrun_ddp.build import (
     Inputs,
     Trainer,
     build_trainer,
+    check_dry_run_inputs,
     checkpoint_root,
     checkpoint_storage,
     prepare_inputs,
@@ -48,7 +49,7 @@ from torchrun_ddp.distributed import (
     setup_logging,
     shutdown_distributed,
 )
-from torchrun_ddp.dry_run import dry_run
+from torchrun_ddp.dry_run import dry_run, plan_model_config
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point, perturbation
@@ -70,8 +71,10 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
     """
     setup_logging(env.rank, config.verbose)
     if config.dry_run:
+        model_config = plan_model_config(config)
+        data_tokens = check_dry_run_inputs(config, env, model_config)  # as a real start would
         if env.is_main:
-            print(dry_run(config, env))
+            print(dry_run(config, env, data_tokens, model_config))
         return True
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)

@@ -1,4 +1,5 @@
-"""One metrics logger on rank 0 with pluggable sinks (log line, metrics.jsonl, TensorBoard).
+"""One metrics logger on rank 0 with pluggable sinks (log line, metrics.jsonl, TensorBoard,
+Weights & Biases).
 
 Keys and units: ``step`` (optimizer steps done), ``loss`` (mean cross-entropy over ranks, nats
 per token), ``lr``, ``tokens_per_s`` (trained tokens per second over all ranks), ``mfu`` (model
@@ -18,6 +19,7 @@ records carry ``eval_loss`` and ``eval_ppl``. Every line of ``metrics.jsonl`` al
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -112,16 +114,22 @@ class MetricsLogger:
 
 
 def build_metrics(
-    output_dir: Path, is_main: bool, tensorboard: bool = False, run_id: str = ""
+    output_dir: Path,
+    is_main: bool,
+    tensorboard: bool = False,
+    run_id: str = "",
+    wandb_config: dict[str, object] | None = None,
 ) -> MetricsLogger:
     """Log lines and ``<output_dir>/metrics.jsonl`` (lines stamped with ``run_id``) on rank 0,
-    plus TensorBoard event files in ``<output_dir>/tensorboard`` if asked; nothing on other
-    ranks."""
+    plus TensorBoard event files in ``<output_dir>/tensorboard`` if asked, and a Weights & Biases
+    run given ``wandb_config`` (the resolved config it records); nothing on other ranks."""
     if not is_main:
         return MetricsLogger([])
     sinks: list[Sink] = [LogSink(), JsonlSink(output_dir / "metrics.jsonl", run_id)]
     if tensorboard:
         sinks.append(TensorBoardSink(output_dir / "tensorboard"))
+    if wandb_config is not None:
+        sinks.append(WandbSink(output_dir, run_id, wandb_config))
     return MetricsLogger(sinks)
 
 
@@ -201,6 +209,52 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
+
+
+WANDB_PROJECT = "torchrun-ddp"
+"""The Weights & Biases project where WANDB_PROJECT is not set."""
+
+
+def check_wandb_installed() -> None:
+    """Raise UserError when --report-to wandb is asked for but wandb is not installed."""
+    if importlib.util.find_spec("wandb") is None:
+        raise UserError(
+            "--report-to wandb needs the wandb package; install it with uv sync --extra wandb "
+            "(or pip install wandb), or drop --report-to"
+        )
+
+
+class WandbSink:
+    """Every record as one ``wandb.log`` call, keyed by the record's own ``step`` (a
+    ``define_metric`` step, so the steps a resumed run logs again do not break wandb's
+    increasing step counter); the run's ``config`` recorded once.
+
+    The wandb run id is ``run_id`` (the checkpoint's run id, 32 hex digits) with
+    ``resume="allow"``: a resumed run, on another attempt or machine, continues the same wandb
+    run. Files go under ``<output_dir>/wandb``; WANDB_MODE (online, offline, disabled) and
+    WANDB_PROJECT are read from the environment by wandb. The config holds no secrets: HF_TOKEN
+    is never a config field.
+    """
+
+    def __init__(self, output_dir: Path, run_id: str, config: dict[str, object]) -> None:
+        import wandb  # noqa: PLC0415 - optional dependency (the wandb extra)
+
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT,
+            id=run_id or None,
+            resume="allow",
+            dir=str(output_dir),
+            config=config,
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def write(self, record: Record) -> None:
+        self.run.log(dict(record))
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 GPU_PEAK_FLOPS = {

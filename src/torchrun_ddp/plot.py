@@ -18,8 +18,13 @@ import matplotlib as mpl
 mpl.use("Agg")
 import matplotlib.pyplot as plt
 
-PANELS = (("loss", "train loss"), ("eval_loss", "held-out loss"), ("lr", "learning rate"))
-PANELS += (("tokens_per_s", "tokens/s"),)
+PANELS = (
+    ("loss", "train loss", "cross-entropy (nats/token)"),
+    ("eval_loss", "held-out loss", "cross-entropy (nats/token)"),
+    ("lr", "learning rate", "learning rate"),
+    ("tokens_per_s", "throughput", "tokens/s (all ranks)"),
+)
+"""Each panel's metrics.jsonl key, title and y-axis label with its unit."""
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -33,15 +38,14 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     for run_dir in run_dirs:
         records = read_metrics(run_dir)
-        for axis, (key, title) in zip(axes.flat, PANELS, strict=True):
+        for axis, (key, title, unit) in zip(axes.flat, PANELS, strict=True):
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:
                 steps, values = zip(*points, strict=True)
                 axis.plot(
                     steps, values, marker="." if len(points) < 20 else None, label=run_dir.name
                 )
-            axis.set_title(title)
-            axis.set_xlabel("step")
+            axis.set(title=title, xlabel="optimizer step", ylabel=unit)
     for axis in axes.flat:
         if axis.has_data():
             axis.legend(fontsize="small")

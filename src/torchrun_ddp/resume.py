@@ -43,6 +43,10 @@ from torchrun_ddp.training_state import rank_state, run_identity, sharded_state,
 log = logging.getLogger("torchrun_ddp")
 
 
+IDENTITY_DEFAULTS: dict[str, object] = {"lr_scheduler": "cosine-restarts", "data_parallel": "ddp"}
+"""Identity keys of checkpoints saved before the key existed: the value they all had."""
+
+
 def resume(trainer: Trainer, plan: StartPlan) -> None:
     """Restore the checkpoint that ``plan`` names (every rank agreed on it), if any.
 
@@ -53,8 +57,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     if plan.path is None:
         return
     path = Path(plan.path)
-    defaults = {"data_parallel": "ddp", **trainer.method.identity_defaults()}
-    saved = {**defaults, **read_meta(path)}
+    saved = {**IDENTITY_DEFAULTS, **trainer.method.identity_defaults(), **read_meta(path)}
     check_compatible(saved, run_identity(trainer))
     same_layout = same_data_layout(trainer, saved)
     in_files = bool(saved.get("zero1_in_rank_files"))

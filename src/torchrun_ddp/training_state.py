@@ -77,6 +77,7 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
         "data_parallel": config.data_parallel,
         "compression": config.compression,
         "optimizer": config.optimizer,
+        "lr_scheduler": config.lr_scheduler,
         "seq_length": config.seq_length,
         "zero1": config.zero1,
         "seed": config.seed,

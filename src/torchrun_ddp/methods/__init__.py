@@ -19,7 +19,14 @@ of: ``compression``, ``optim``, ``checkpoint`` (its state adapters) and ``plan.c
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.adamw import AdamWMethod
-from torchrun_ddp.methods.base import CheckpointBytes, MemoryRow, Method, PlanSizes
+from torchrun_ddp.methods.base import (
+    CheckpointBytes,
+    MemoryRow,
+    Method,
+    Owners,
+    PlanSizes,
+    refuse_unused,
+)
 from torchrun_ddp.methods.demo import DeMoMethod
 from torchrun_ddp.methods.diloco import DiLoCoMethod
 from torchrun_ddp.methods.sparseloco import SparseLoCoMethod
@@ -44,11 +51,24 @@ def method_for(config: TrainConfig) -> Method:
     return method(config)
 
 
-def check_methods(config: TrainConfig) -> None:
-    """Every method's flag checks (``Method.check_config``): ranges whatever --optimizer is,
-    and the chosen method's combinations. Raises UserError, one line naming the flag."""
+def method_flag_owners() -> Owners:
+    """Each method-specific config field (``Method.flags``) -> ``("optimizer", the methods
+    that read it)``, in :data:`METHODS` order."""
+    owners: dict[str, list[str]] = {}
+    for name, method in METHODS.items():
+        for flag in method.flags:
+            owners.setdefault(flag, []).append(name)
+    return {flag: ("optimizer", tuple(names)) for flag, names in owners.items()}
+
+
+def check_methods(config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
+    """Every method's flag checks: each method's ``Method.check_config`` (ranges whatever
+    --optimizer is, and the chosen method's combinations), then a method-specific flag
+    ``given`` (on the command line or in the config file) under an --optimizer that does not
+    read it. Raises UserError, one line naming the flag."""
     for method in METHODS.values():
-        method.check_config(config)
+        method.check_config(config, given)
+    refuse_unused(config, given, method_flag_owners())
 
 
 __all__ = [
@@ -59,8 +79,11 @@ __all__ = [
     "DiLoCoMethod",
     "MemoryRow",
     "Method",
+    "Owners",
     "PlanSizes",
     "SparseLoCoMethod",
     "check_methods",
+    "method_flag_owners",
     "method_for",
+    "refuse_unused",
 ]

@@ -33,7 +33,7 @@ from torchrun_ddp.compression import (
 )
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.methods.base import CheckpointBytes, Method, PlanSizes
+from torchrun_ddp.methods.base import CheckpointBytes, Method, Owners, PlanSizes, refuse_unused
 from torchrun_ddp.optim import build_optimizer
 from torchrun_ddp.plan.communication import CommEstimate, Topology, estimate, label
 
@@ -43,20 +43,38 @@ if TYPE_CHECKING:
     from torchrun_ddp.distributed import NodeGroups
 
 
+_DCT = ("dct", "dct-topk")
+COMPRESSION_FLAGS: Owners = {
+    "compression_ratio": ("compression", ("dct",)),
+    "compression_selection": ("compression", ("dct",)),
+    "compression_block_size": ("compression", _DCT),
+    "compression_value_dtype": ("compression", _DCT),
+    "compression_error_feedback": ("compression", _DCT),
+    "compression_topk": ("compression", ("dct-topk",)),
+    "powersgd_rank": ("compression", ("powersgd",)),
+    "compression_start_step": ("compression", (*_DCT, "fp16", "bf16", "powersgd")),
+}
+"""The comm hooks' own flags and the --compression values that read them (``compression``'s
+``CompressionSettings``)."""
+
+
 class AdamWMethod(Method):
     """``--optimizer adamw``: DDP's all-reduce through the ``--compression`` comm hook, then AdamW
     (fused, foreach or for-loop), optionally ZeRO-1. ``hook``: the comm hook's settings."""
 
     name = "adamw"
+    flags = ("adamw_implementation", "compression_scope")
 
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
         self.hook: CompressionSettings = compression_settings(config)
 
     @classmethod
-    def check_config(cls, config: TrainConfig) -> None:
-        """The comm hook's settings (``compression.validate_settings``), whatever --optimizer."""
+    def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
+        """The comm hook's settings (``compression.validate_settings``), whatever --optimizer;
+        a hook's flag given under a --compression that does not read it."""
         compression_settings(config)
+        refuse_unused(config, given, COMPRESSION_FLAGS)
         sharded = config.data_parallel != "ddp"
         if sharded and config.optimizer == cls.name and config.compression != "none":
             raise UserError(

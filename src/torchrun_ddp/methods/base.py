@@ -28,7 +28,7 @@ from torchrun_ddp.compression import (
     ShardedExchange,
     register_local_gradients,
 )
-from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.config import TrainConfig, flag_name
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.plan.communication import CommEstimate, Topology
 
@@ -71,6 +71,28 @@ class PlanSizes:
     shapes: tuple[tuple[int, ...], ...]
 
 
+Owners = Mapping[str, tuple[str, tuple[str, ...]]]
+"""Config field -> (the field that decides whether it is read, the values of that field under
+which it is), e.g. ``{"lora_rank": ("peft", ("lora",))}``."""
+
+
+def refuse_unused(config: TrainConfig, given: frozenset[str], owners: Owners) -> None:
+    """Raise UserError, one line, for the first field of ``owners`` that was ``given`` (set on the
+    command line or in the config file, ``config_io.given_fields``) while the field that decides
+    whether it is read has a value under which it is not: such a flag would change nothing."""
+    for name in sorted(given & owners.keys()):
+        switch, values = owners[name]
+        actual = getattr(config, switch)
+        if actual in values:
+            continue
+        owner = " or ".join(values)
+        raise UserError(
+            f"--{flag_name(name)} is a setting of --{flag_name(switch)} {owner} and does nothing "
+            f"under --{flag_name(switch)} {actual}; drop it, or use --{flag_name(switch)} "
+            f"{values[0]}"
+        )
+
+
 class Method:
     """One training method (subclasses name it in ``name``; ``methods.METHODS`` is the table).
 
@@ -82,16 +104,20 @@ class Method:
 
     name: ClassVar[str] = ""
     """``--optimizer``'s value."""
+    flags: ClassVar[tuple[str, ...]] = ()
+    """Config fields that only this method (and the other methods that list them) reads; one of
+    them given under another --optimizer is refused (``methods.check_methods``)."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self._optimizer: Optimizer | None = None
 
     @classmethod
-    def check_config(cls, config: TrainConfig) -> None:
+    def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
         """Raise UserError for values of this method's flags out of range (checked whatever
         --optimizer is, as every flag is) and, when ``config`` chooses this method, for flags that
-        do not go with it. Nothing by default."""
+        do not go with it; ``given``: the fields set on the command line or in the config file.
+        Nothing by default."""
 
     # -- build ---------------------------------------------------------------------------------
 

@@ -52,13 +52,21 @@ class DeMoMethod(ExchangingMethod):
     when lost; reset at another world size), an update in flight with --overlap-exchange."""
 
     name = "demo"
+    flags = (
+        "demo_topk",
+        "demo_tile_size",
+        "demo_beta",
+        "demo_value_dtype",
+        "overlap_exchange",
+        "compression_scope",
+    )
 
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
         self.settings = demo_settings(config)
 
     @classmethod
-    def check_config(cls, config: TrainConfig) -> None:
+    def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
         """DeMo's ranges (whatever --optimizer is), then what DeMo cannot run with."""
         demo_settings(config)
         if config.optimizer == cls.name:

@@ -16,6 +16,7 @@ class DiLoCoMethod(LocalUpdatesMethod):
     """``--optimizer diloco``: its all-reduce has no node-aware form."""
 
     name = "diloco"
+    flags = (*LocalUpdatesMethod.flags, "outer_momentum", "pseudo_gradient_dtype")
     node_aware = False
 
     def sync_payload(self, shapes: list[tuple[int, ...]]) -> tuple[str, float]:

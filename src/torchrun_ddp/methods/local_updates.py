@@ -46,12 +46,21 @@ log = logging.getLogger("torchrun_ddp")
 class LocalUpdatesMethod(ExchangingMethod):
     """DiLoCo's and SparseLoCo's shared answers; ``settings``: ``optim.LocalUpdateSettings``."""
 
+    flags = (
+        "local_steps",
+        "outer_lr",
+        "overlap_exchange",
+        "sync_delay",
+        "eager_updates",
+        "adamw_implementation",
+    )
+
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
         self.settings: LocalUpdateSettings = local_update_settings(config)
 
     @classmethod
-    def check_config(cls, config: TrainConfig) -> None:
+    def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
         """The local-update flags (``check_local_update_flags``) and, when ``config`` chooses
         this method, what it cannot run with."""
         check_local_update_flags(config)

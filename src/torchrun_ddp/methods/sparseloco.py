@@ -19,9 +19,21 @@ class SparseLoCoMethod(LocalUpdatesMethod):
     checkpoint's identity; each rank's error feedback is per-rank state."""
 
     name = "sparseloco"
+    flags = (
+        *LocalUpdatesMethod.flags,
+        "sparseloco_topk",
+        "sparseloco_chunk",
+        "sparseloco_beta",
+        "quant_bits",
+        "sparseloco_quantizer",
+        "sparseloco_aggregate",
+        "sparseloco_clip",
+        "sparseloco_preset",
+        "compression_scope",
+    )
 
     @classmethod
-    def check_config(cls, config: TrainConfig) -> None:
+    def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
         """SparseLoCo's flags: the preset only with this method, the ranges whatever
         --optimizer is."""
         if config.sparseloco_preset != "none" and config.optimizer != cls.name:
@@ -29,7 +41,7 @@ class SparseLoCoMethod(LocalUpdatesMethod):
                 f"--sparseloco-preset {config.sparseloco_preset} sets SparseLoCo's settings; use "
                 "it with --optimizer sparseloco, or drop it"
             )
-        super().check_config(config)
+        super().check_config(config, given)
         try:
             validate_sparseloco_fields(settings_from_config(config, cls.name))
         except ValueError as exc:  # raised for values out of range only

@@ -1,8 +1,9 @@
 """Optimizers and the learning-rate schedule, including the optimizers that run their own
 exchanges instead of DDP's gradient all-reduce.
 
-Modules: ``adamw`` (torch's AdamW over two parameter groups, ZeRO-1), ``schedule`` (linear
-warmup, then cosine annealing with warm restarts), ``codecs`` (the tile codec DeMo and SparseLoCo
+Modules: ``adamw`` (torch's AdamW over two parameter groups, ZeRO-1), ``schedule`` (the
+learning-rate schedules: warmup, then cosine with restarts, transformers' cosine, linear,
+constant, or warmup-stable-decay), ``codecs`` (the tile codec DeMo and SparseLoCo
 share: a parameter cut into tiles, with or without the DCT), ``demo`` (DeMo: momentum top-k per
 DCT tile, its own all-gather, sign step; per-rank momentum as checkpoint state),
 ``local_updates`` (what DiLoCo and SparseLoCo share, the base ``LocalUpdates``: an inner AdamW
@@ -38,13 +39,14 @@ from torchrun_ddp.optim.local_update_config import (
 )
 from torchrun_ddp.optim.local_update_state import RankState, SyncedState
 from torchrun_ddp.optim.local_updates import LocalUpdates, build_local_updates
-from torchrun_ddp.optim.schedule import build_scheduler
+from torchrun_ddp.optim.schedule import SCHEDULERS, ScheduleSettings, build_scheduler
 from torchrun_ddp.optim.sparseloco import SparseLoCo
 
 __all__ = [
     "ADAMW_IMPLEMENTATIONS",
     "LOCAL_UPDATE_METHODS",
     "PSEUDO_GRADIENT_DTYPES",
+    "SCHEDULERS",
     "DeMo",
     "DemoSettings",
     "DiLoCo",
@@ -52,6 +54,7 @@ __all__ = [
     "LocalUpdateSettings",
     "LocalUpdates",
     "RankState",
+    "ScheduleSettings",
     "SparseLoCo",
     "SyncedState",
     "adamw_options",

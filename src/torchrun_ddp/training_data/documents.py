@@ -98,9 +98,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 """A local tokenizer folder holds at least one of these (what AutoTokenizer loads from)."""
 
 
+def is_local_path(name: str) -> bool:
+    """Whether a tokenizer or model ``name`` names a local path rather than a hub id: it starts
+    with ``.``, ``/`` or ``~``, or exists here."""
+    return name.startswith((".", "/", "~")) or Path(name).exists()
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer from a hub id or local folder; raises UserError if it cannot be loaded."""
-    looks_local = name.startswith((".", "/", "~")) or Path(name).exists()
+    looks_local = is_local_path(name)
     if looks_local and not Path(name).expanduser().is_dir():
         raise UserError(f"tokenizer folder {name} does not exist; pass an existing --tokenizer")
     if looks_local and not any((Path(name).expanduser() / f).is_file() for f in TOKENIZER_FILES):
