@@ -166,7 +166,11 @@ def test_a_damaged_record_deep_in_a_large_shard_is_skipped_or_stops_in_one_line(
     assert stop.returncode != 0
     errors = [line for line in stop.stderr.splitlines() if line.startswith("error: ")]
     line = f"error: 3 damaged training records, more than --max-bad-records 2; the last: {shard}"
-    assert len(errors) == 4 and all(e.startswith(line) for e in errors), stop.stderr[-3000:]
-    assert sum("kept in" in e for e in errors) == 2  # the restart: refused before training
+    assert all(e.startswith(line) for e in errors), stop.stderr[-3000:]
+    kept = [e for e in errors if "kept in" in e]  # the restart: refused before training
+    assert len(errors) - len(kept) == 2, stop.stderr[-3000:]  # both ranks, in training
+    # Once one rank of the restart has exited, torchrun stops the other: it may not get to
+    # write its line first.
+    assert 1 <= len(kept) <= 2, stop.stderr[-3000:]
     frames = [f for f in stop.stderr.splitlines() if f.strip().startswith('File "')]
     assert not [f for f in frames if "torchrun_ddp" in f], stop.stderr[-3000:]  # only torchrun's
