@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from torchrun_ddp.model import (
     max_positions,
     settle_buckets,
     trainable_parameter_sizes,
+    trained_tokens,
     wrap_ddp,
 )
 from torchrun_ddp.optim import build_scheduler
@@ -59,10 +60,16 @@ from torchrun_ddp.plan import (
     parameter_count,
 )
 from torchrun_ddp.training_data import (
+    ExampleFormat,
     PackedWindows,
     build_train_loader,
     count_tokens,
+    data_format,
     eval_batches,
+    expand_patterns,
+    first_record,
+    hub_format,
+    load_chat_template,
     load_tokenizer,
     open_documents,
     resolve_files,
@@ -79,7 +86,9 @@ class Inputs:
     model_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     train_documents: IterableDataset
-    eval_documents: IterableDataset
+    eval_documents: IterableDataset | None
+    """None: no held-out set (local data without --eval-files or --eval-fraction)."""
+    example_format: ExampleFormat = field(default_factory=ExampleFormat)
 
 
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
@@ -101,21 +110,64 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     check_paths(config)
     check_data_error(config)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
-    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
-    eval_files = resolve_files(config.eval_files, "--eval-files", config.max_bad_records)
-    check_enough_tokens(config, env, tokenizer, train_files)
+    fmt = example_format(config, tokenizer)
+    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records, fmt)
+    eval_files = resolve_files(config.eval_files, "--eval-files", config.max_bad_records, fmt)
+    check_enough_tokens(config, env, tokenizer, train_files, fmt)
     warn_long_warmup(config, env)
     hub = (config.dataset, config.dataset_config)
+    fraction = config.eval_fraction if train_files and not eval_files else 0.0
     return Inputs(
         model_config=model_config,
         tokenizer=tokenizer,
-        train_documents=open_documents(train_files, *hub, split="train"),
-        eval_documents=open_documents(eval_files, *hub, split="validation"),
+        train_documents=open_documents(train_files, *hub, config.dataset_split, fmt, fraction),
+        eval_documents=eval_documents(config, train_files, eval_files, fmt),
+        example_format=fmt,
     )
 
 
+def example_format(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> ExampleFormat:
+    """The example format of the training data: --data-format, or detected from the first
+    record of --data-files (or of the hub's --dataset-split); the chat template loaded. Raises
+    UserError for data of no known format (with the fix) or a missing --chat-template."""
+    fmt = ExampleFormat(
+        name=config.data_format,
+        text_field=config.text_field,
+        train_on_prompt=config.train_on_prompt,
+        separate=config.separate_documents,
+        packing=config.packing,
+    )
+    if config.data_files:
+        files = expand_patterns(config.data_files, "--data-files")
+        fmt = data_format(fmt, first_record(files, "--data-files"), "--data-files")
+    else:
+        fmt = hub_format(fmt, config.dataset, config.dataset_config, config.dataset_split)
+    if fmt.name == "text":
+        return fmt
+    return replace(fmt, chat_template=load_chat_template(config.chat_template, tokenizer))
+
+
+def eval_documents(
+    config: TrainConfig, train_files: list[str], eval_files: list[str], fmt: ExampleFormat
+) -> IterableDataset | None:
+    """The held-out records: --eval-files; else the --eval-fraction slice of --data-files
+    (nothing when it is 0, never the hub); else the hub dataset's --eval-split."""
+    hub = (config.dataset, config.dataset_config)
+    if eval_files:
+        return open_documents(eval_files, *hub, "", fmt)
+    if train_files:
+        if not config.eval_fraction:
+            return None
+        return open_documents(train_files, *hub, "", fmt, config.eval_fraction, heldout=True)
+    return open_documents([], *hub, config.eval_split, fmt) if config.eval_split else None
+
+
 def check_enough_tokens(
-    config: TrainConfig, env: DistEnv, tokenizer: PreTrainedTokenizerBase, files: list[str]
+    config: TrainConfig,
+    env: DistEnv,
+    tokenizer: PreTrainedTokenizerBase,
+    files: list[str],
+    fmt: ExampleFormat | None = None,
 ) -> None:
     """Raise UserError when the local training ``files`` (over all --epochs) give fewer tokens
     than one optimizer step takes over all ranks, so a run that could train nothing stops
@@ -125,7 +177,8 @@ def check_enough_tokens(
     if config.resume_from or (config.resume and find_latest(checkpoint_root(config))):
         return
     needed = tokens_per_step(config, env)
-    found = count_tokens(files, tokenizer, -(-needed // config.epochs))
+    held = config.eval_fraction if not config.eval_files else 0.0
+    found = count_tokens(files, tokenizer, -(-needed // config.epochs), fmt, held)
     if found is None or found * config.epochs >= needed:
         return
     epochs = f" x --epochs {config.epochs}" if config.epochs > 1 else ""
@@ -350,8 +403,10 @@ def build_train_data(
         shuffle_buffer=config.shuffle_buffer,
         seed=config.seed,
         max_bad_records=config.max_bad_records,
+        fmt=inputs.example_format,
     )
-    return LookaheadBatches(loader, config.accumulation_steps, device)
+    count = trained_tokens if inputs.example_format.labelled else None
+    return LookaheadBatches(loader, config.accumulation_steps, device, count)
 
 
 def build_eval_set(
@@ -363,9 +418,12 @@ def build_eval_set(
     MIN), so the held-out loss is a mean over equal shares, and so a model whose buffers DDP
     broadcasts in every forward (``model.constant_buffers`` false) cannot hang in ``evaluate``.
     """
-    shard = shard_for_rank(inputs.eval_documents, env.rank, env.world_size)
-    windows = PackedWindows(shard, inputs.tokenizer, config.seq_length)
-    batches = eval_batches(windows, config.batch_size, config.eval_batches)
+    batches: list[torch.Tensor] = []
+    if inputs.eval_documents is not None:
+        shard = shard_for_rank(inputs.eval_documents, env.rank, env.world_size)
+        fmt = inputs.example_format
+        windows = PackedWindows(shard, inputs.tokenizer, config.seq_length, fmt=fmt)
+        batches = eval_batches(windows, config.batch_size, config.eval_batches)
     count = torch.tensor([len(batches)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
     if int(count.item()) < len(batches):

@@ -343,12 +343,21 @@ class LogWindow:
         self.data_time += seconds
         self.step_time += seconds
 
-    def flush(self, step: int, lr: float, flags: list[bool]) -> tuple[Record, list[bool]]:
+    def flush(
+        self, step: int, lr: float, flags: list[bool], extra: torch.Tensor | None = None
+    ) -> tuple[Record, list[bool]]:
         """Collective: the window's record (loss averaged over ranks) and ``flags`` OR-ed over
-        ranks, in one all-reduce (SUM) of ``[loss, *flags]``; then reset. Needs >= 1 step."""
+        ranks, in one all-reduce (SUM) of ``[loss, *flags]``; then reset. Needs >= 1 step.
+        ``extra`` (float64, 1-D, on the device) rides in the same all-reduce in float64 and is
+        summed over ranks in place."""
         began = time.perf_counter()
         summed = torch.stack([self.loss / self.steps, *(self.loss.new_tensor(f) for f in flags)])
+        if extra is not None:
+            summed = torch.cat([summed.double(), extra])
         torch.distributed.all_reduce(summed)
+        if extra is not None:
+            extra.copy_(summed[len(summed) - len(extra) :])
+            summed = summed[: len(summed) - len(extra)]
         values = summed.tolist()
         self.step_time += time.perf_counter() - began
         tokens_per_s = self.tokens_per_step * self.steps / self.step_time
@@ -373,8 +382,16 @@ class LogWindow:
         return record, [value > 0 for value in values[1:]]
 
 
-def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
-    """Collective: each flag OR-ed over all ranks (one all-reduce, MAX)."""
+def any_rank(
+    flags: list[bool], device: torch.device, extra: torch.Tensor | None = None
+) -> list[bool]:
+    """Collective: each flag OR-ed over all ranks (one all-reduce, MAX); ``extra`` (float64,
+    1-D, on ``device``) rides in the same all-reduce (then SUM) and is summed in place."""
+    if extra is not None:
+        values = torch.cat([torch.tensor(flags, dtype=torch.float64, device=device), extra])
+        torch.distributed.all_reduce(values)
+        extra.copy_(values[len(flags) :])
+        return [value > 0 for value in values[: len(flags)].tolist()]
     values = torch.tensor([int(flag) for flag in flags], device=device)
     torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
     return [bool(value) for value in values.tolist()]

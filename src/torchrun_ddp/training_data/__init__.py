@@ -1,4 +1,8 @@
-"""Stream, order, tokenise and pack text into full windows; train and eval loaders.
+"""Stream, order, tokenise and pack text or examples into full windows; train and eval loaders.
+
+Formats (``formats``): ``text`` documents, ``prompt-completion`` pairs and chat ``messages``,
+each record checked where it is read; examples are packed whole and kept apart with labels and
+restarting positions (``packing``), ``text`` back to back unless ``--separate-documents``.
 
 Documents come from ``datasets`` streaming (the hub's ``allenai/c4`` or local json/json.gz
 files in C4's layout), are tokenised as ``BOS + tokens + EOS`` (without BOS for tokenizers that
@@ -27,12 +31,24 @@ from torchrun_ddp.training_data.documents import (
     TOKENIZER_FILES,
     check_data_file,
     count_tokens,
+    data_format,
     document_tokens,
+    expand_patterns,
+    first_record,
+    hub_format,
     load_tokenizer,
     open_documents,
     read_records,
     resolve_files,
     shard_for_rank,
+)
+from torchrun_ddp.training_data.formats import (
+    FORMATS,
+    IGNORE_INDEX,
+    ExampleFormat,
+    check_record,
+    example_tokens,
+    load_chat_template,
 )
 from torchrun_ddp.training_data.global_order import (
     DATA_ORDER,
@@ -50,26 +66,38 @@ from torchrun_ddp.training_data.loader import (
     data_position,
     own_process_group,
 )
+from torchrun_ddp.training_data.packing import Packer
 
 __all__ = [
     "DATA_ORDER",
+    "FORMATS",
     "FULL_CHECK_BYTES",
+    "IGNORE_INDEX",
     "RECORD_FEATURES",
     "TOKENIZER_FILES",
     "UNSHUFFLED_BLOCK",
     "DocumentBlocks",
+    "ExampleFormat",
     "GlobalPackedWindows",
     "PackedWindows",
+    "Packer",
     "TrainLoader",
     "bad_record_count",
     "build_loader",
     "build_train_loader",
     "check_data_file",
+    "check_record",
     "count_tokens",
+    "data_format",
     "data_position",
     "document_tokens",
     "eval_batches",
+    "example_tokens",
+    "expand_patterns",
+    "first_record",
     "fresh_position",
+    "hub_format",
+    "load_chat_template",
     "load_tokenizer",
     "open_documents",
     "own_process_group",
