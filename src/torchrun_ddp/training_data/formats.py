@@ -160,16 +160,33 @@ def example_tokens(
         ids = text_tokens(tokenizer, example)
         labels = list(ids)
     else:
-        ids, labels = [], []
-        for segment, trained in _segments(tokenizer, json.loads(example), fmt.chat_template):
-            tokens = tokenizer(segment, add_special_tokens=False)["input_ids"]
-            ids += tokens
-            labels += tokens if trained or fmt.train_on_prompt else [IGNORE_INDEX] * len(tokens)
+        segments = _segments(tokenizer, json.loads(example), fmt.chat_template)
+        ids, labels = _labelled_tokens(tokenizer, segments, fmt.train_on_prompt)
         if "prompt" in example and ids:  # the chat template adds its own BOS and EOS
             ids, labels = _with_bos_eos(tokenizer, ids, labels)
     if labels:
         labels[0] = IGNORE_INDEX
     return ids, labels
+
+
+def _labelled_tokens(
+    tokenizer: PreTrainedTokenizerBase, segments: list[tuple[str, bool]], train_on_prompt: bool
+) -> tuple[list[int], list[int]]:
+    """The pieces joined and tokenised as one text (as at inference), each token labelled when
+    it starts inside a trained piece (character offsets of a fast tokenizer)."""
+    text = "".join(piece for piece, _ in segments)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    trained_chars = []
+    start = 0
+    for piece, trained in segments:
+        if trained or train_on_prompt:
+            trained_chars.append((start, start + len(piece)))
+        start += len(piece)
+    labels = []
+    for token, (begin, _) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
+        inside = any(low <= begin < high for low, high in trained_chars)
+        labels.append(token if inside else IGNORE_INDEX)
+    return list(encoded["input_ids"]), labels
 
 
 def _with_bos_eos(
