@@ -61,6 +61,7 @@ from torchrun_ddp.plan import (
 )
 from torchrun_ddp.training_data import (
     ExampleFormat,
+    MultipleChoiceQuestion,
     PackedWindows,
     build_train_loader,
     count_tokens,
@@ -72,6 +73,7 @@ from torchrun_ddp.training_data import (
     load_chat_template,
     load_tokenizer,
     open_documents,
+    read_questions,
     resolve_files,
     shard_for_rank,
 )
@@ -89,6 +91,8 @@ class Inputs:
     eval_documents: IterableDataset | None
     """None: no held-out set (local data without --eval-files or --eval-fraction)."""
     example_format: ExampleFormat = field(default_factory=ExampleFormat)
+    questions: list[MultipleChoiceQuestion] = field(default_factory=list)
+    """The --eval-multiple-choice questions, tokenised (every rank holds them all)."""
 
 
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
@@ -123,7 +127,18 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         train_documents=open_documents(train_files, *hub, config.dataset_split, fmt, fraction),
         eval_documents=eval_documents(config, train_files, eval_files, fmt),
         example_format=fmt,
+        questions=multiple_choice_questions(config, tokenizer),
     )
+
+
+def multiple_choice_questions(
+    config: TrainConfig, tokenizer: PreTrainedTokenizerBase
+) -> list[MultipleChoiceQuestion]:
+    """The --eval-multiple-choice questions, tokenised ([] without the flag); raises UserError
+    in one line for a file that cannot be read or a question that is not well formed."""
+    if not config.eval_multiple_choice:
+        return []
+    return read_questions(config.eval_multiple_choice, tokenizer)
 
 
 def example_format(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> ExampleFormat:
@@ -458,6 +473,8 @@ class Trainer:
     resume)."""
     storage: StorageLayout | None = None
     """Which ranks share a checkpoint folder (None: every rank one folder)."""
+    questions: list[MultipleChoiceQuestion] = field(default_factory=list)
+    """This rank's share of the --eval-multiple-choice questions (every world_size-th)."""
     segment: int = 0
     """How many times the run has been resumed (saved in checkpoints: a step saved again on a
     new timeline, after a resume from an older step, outranks a stale copy of it)."""
@@ -515,4 +532,5 @@ def build_trainer(
         tokenizer=inputs.tokenizer,
         run_id=run_id,
         storage=storage,
+        questions=inputs.questions[env.rank :: env.world_size],
     )

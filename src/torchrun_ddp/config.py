@@ -147,6 +147,12 @@ class TrainConfig:
         "With --data-files and no --eval-files: hold out this fraction of each file's records "
         "(an even, deterministic slice) for evaluation; 0: no held-out evaluation.",
     )
+    eval_multiple_choice: str = _opt(
+        "",
+        "A file of multiple-choice questions ({query, choices, gold}: JSON lines or any type "
+        "--data-files takes) scored at every evaluation by each choice's log-likelihood, "
+        "reported as mc_accuracy and mc_accuracy_per_char; empty: none. See docs/data.md.",
+    )
     dataset_split: str = _opt("train", "Split of the hub dataset to train on.")
     eval_split: str = _opt(
         "validation", "Split of the hub dataset to evaluate on; empty: no held-out evaluation."

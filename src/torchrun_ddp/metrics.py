@@ -12,7 +12,9 @@ nothing). The byte counts are averages per step over the logging window of what 
 the steps that sent it: an optimizer that syncs every H steps (DiLoCo, SparseLoCo) counts its
 whole message in the sync step, so at ``--log-every 1`` the other steps read 0, and at a
 ``--log-every`` that is a multiple of H each record gives the average per step. Evaluation
-records carry ``eval_loss`` and ``eval_ppl``. Every line of ``metrics.jsonl`` also carries the
+records carry ``eval_loss`` and ``eval_ppl``, and with --eval-multiple-choice ``mc_accuracy`` and
+``mc_accuracy_per_char`` (fractions of questions, each with its ``_stderr``) and
+``mc_questions``. Every line of ``metrics.jsonl`` also carries the
 ``run_id`` of the run that wrote it (the id in the checkpoint folder's ``run.json``).
 """
 
@@ -193,7 +195,7 @@ class TensorBoardSink:
 
     def write(self, record: Record) -> None:
         step = int(record["step"])
-        group = "eval" if "eval_loss" in record else "train"
+        group = "eval" if "eval_loss" in record or "mc_accuracy" in record else "train"
         for key, value in record.items():
             if key != "step":
                 self.writer.add_scalar(f"{group}/{key}", value, global_step=step)

@@ -66,6 +66,7 @@ from torchrun_ddp.training_data.loader import (
     data_position,
     own_process_group,
 )
+from torchrun_ddp.training_data.multiple_choice import MultipleChoiceQuestion, read_questions
 from torchrun_ddp.training_data.packing import Packer
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "DocumentBlocks",
     "ExampleFormat",
     "GlobalPackedWindows",
+    "MultipleChoiceQuestion",
     "PackedWindows",
     "Packer",
     "TrainLoader",
@@ -101,6 +103,7 @@ __all__ = [
     "load_tokenizer",
     "open_documents",
     "own_process_group",
+    "read_questions",
     "read_records",
     "reshard_positions",
     "resolve_files",

@@ -117,7 +117,7 @@ def first_record(files: list[str], flag: str) -> dict[str, object]:
     """The first readable raw record of ``files`` (to detect the format). Raises UserError if
     none of the first lines of any file is a JSON object, or a file is of an unknown type."""
     for path in files:
-        for record in _raw_records(path):
+        for record in raw_records(path):
             if isinstance(record[0], dict):
                 return record[0]
     raise UserError(f"{flag} holds no readable record; pass JSON lines, Parquet or Arrow files")
@@ -278,7 +278,7 @@ def is_heldout(index: int, fraction: float) -> bool:
 
 
 def _file_records(path: str, fmt: ExampleFormat) -> Iterator[dict[str, str | None]]:
-    for raw, where in _raw_records(path):
+    for raw, where in raw_records(path):
         if raw is None:
             yield {"text": None, "error": f"{path} {where}"}
             continue
@@ -286,8 +286,10 @@ def _file_records(path: str, fmt: ExampleFormat) -> Iterator[dict[str, str | Non
         yield {"text": text, "error": f"{path} {where} {error}" if error else None}
 
 
-def _raw_records(path: str) -> Iterator[tuple[object, str]]:
-    """(record, "line N") of a file, or (None, "line N <why it cannot be read>")."""
+def raw_records(path: str) -> Iterator[tuple[object, str]]:
+    """(record, "line N") of a file, or (None, "line N <why it cannot be read>"); "row N" for
+    Parquet, Arrow and saved folders, "element N" for a JSON file holding one array. Raises
+    UserError for a file of an unknown type."""
     suffix = "".join(Path(path).suffixes[-2:]) if path.endswith(".gz") else Path(path).suffix
     if Path(path).is_dir():
         rows = load_from_disk(path)
@@ -299,11 +301,42 @@ def _raw_records(path: str) -> Iterator[tuple[object, str]]:
         rows = load_dataset(builder, data_files=[path], split="train", streaming=True)
         yield from ((row, f"row {n}") for n, row in enumerate(rows))
     elif suffix in JSON_SUFFIXES or path.endswith(".gz"):
-        yield from _json_lines(path)
+        yield from _json_array(path) if _holds_array(path) else _json_lines(path)
     else:
         raise UserError(
             f"{path} is not a .json, .jsonl, .json.gz, .parquet or .arrow file or a "
             "save_to_disk folder; convert it to one of these"
+        )
+
+
+def _holds_array(path: str) -> bool:
+    """Whether a JSON file's first character that is not white space is ``[`` (one JSON array
+    of records rather than JSON lines); False for a file that cannot be read (``_json_lines``
+    then names the damage)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as handle:
+            while chunk := handle.read(4096):
+                if stripped := chunk.lstrip():
+                    return stripped.startswith(b"[")
+    except (OSError, EOFError, zlib.error):
+        return False
+    return False
+
+
+def _json_array(path: str) -> Iterator[tuple[object, str]]:
+    """The elements of a file holding one JSON array, through ``datasets``' json builder (which
+    reads the whole array at once); an array that cannot be parsed is one damaged record, like
+    a damaged gzip stream."""
+    rows = load_dataset("json", data_files=[path], split="train", streaming=True)
+    number = 0
+    try:
+        for number, row in enumerate(rows):
+            yield row, f"element {number}"
+    except ValueError as exc:  # json.JSONDecodeError and pyarrow.ArrowInvalid derive from it
+        yield (
+            None,
+            f"is one JSON array that cannot be read ({exc}); repair it or convert it to JSON lines",
         )
 
 
