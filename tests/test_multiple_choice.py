@@ -44,8 +44,11 @@ class FixedNextToken(torch.nn.Module):
         super().__init__()
         self.log_probs = probs.log()
 
-    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> CausalLMOutput:
-        return CausalLMOutput(logits=self.log_probs.expand(*input_ids.shape, -1).clone())
+    def forward(
+        self, input_ids: torch.Tensor, use_cache: bool = False, logits_to_keep: int = 0
+    ) -> CausalLMOutput:
+        logits = self.log_probs.expand(*input_ids.shape, -1)
+        return CausalLMOutput(logits=logits[:, -logits_to_keep:].clone())
 
 
 def test_scores_sum_each_choice_tokens_log_probabilities() -> None:
@@ -101,8 +104,11 @@ class FavourTokens(torch.nn.Module):
         self.logits = torch.zeros(vocab)
         self.logits[favoured] = 10.0
 
-    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> CausalLMOutput:
-        return CausalLMOutput(logits=self.logits.expand(*input_ids.shape, -1).clone())
+    def forward(
+        self, input_ids: torch.Tensor, use_cache: bool = False, logits_to_keep: int = 0
+    ) -> CausalLMOutput:
+        logits = self.logits.expand(*input_ids.shape, -1)
+        return CausalLMOutput(logits=logits[:, -logits_to_keep:].clone())
 
 
 def test_a_model_that_favours_the_gold_answers_scores_all_right(

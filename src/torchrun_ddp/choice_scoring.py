@@ -28,19 +28,22 @@ def choice_loglikelihoods(
     Each sequence ``context + choice`` keeps its last ``max_length + 1`` tokens (the context is
     cut from the left, as lm-evaluation-harness cuts it) and is fed without its last token;
     shorter rows are padded on the right, which a causal model's earlier positions never see.
-    Every choice needs at least one token, and the kept context at least one token (BOS)."""
+    Only the positions that predict a choice's token get logits (``logits_to_keep``: the output
+    head is most of a small model's cost). Every choice needs at least one token."""
     rows = [(context + choice)[-(max_length + 1) :] for choice in choices]
+    counts = [min(len(choice), len(row) - 1) for row, choice in zip(rows, choices, strict=True)]
     width = max(len(row) for row in rows) - 1
+    first = min(len(row) - 1 - count for row, count in zip(rows, counts, strict=True))
     inputs = torch.zeros(len(rows), width, dtype=torch.long)
     for index, row in enumerate(rows):
         inputs[index, : len(row) - 1] = torch.tensor(row[:-1])
-    logits = model(input_ids=inputs.to(device), use_cache=False).logits
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    output = model(input_ids=inputs.to(device), use_cache=False, logits_to_keep=width - first)
+    log_probs = torch.log_softmax(output.logits.float(), dim=-1)
     scores = torch.zeros(len(rows), dtype=torch.float64)
-    for index, (row, choice) in enumerate(zip(rows, choices, strict=True)):
-        count = min(len(choice), len(row) - 1)
+    for index, (row, count) in enumerate(zip(rows, counts, strict=True)):
         targets = torch.tensor(row[-count:], device=device)
-        positions = torch.arange(len(row) - 1 - count, len(row) - 1, device=device)
+        start = len(row) - 1 - count - first  # the kept logits begin at position ``first``
+        positions = torch.arange(start, start + count, device=device)
         scores[index] = log_probs[index, positions, targets].double().sum().cpu()
     return scores
 
