@@ -13,7 +13,7 @@ from datasets import Dataset
 from distributed_harness import run_distributed
 from tiny_models import tiny_llama_config
 from torch.nn.parallel import DistributedDataParallel
-from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import ByT5Tokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import forward_backward
@@ -24,8 +24,10 @@ from torchrun_ddp.training_data import (
     GlobalPackedWindows,
     Packer,
     check_record,
+    check_tokenizer,
     data_format,
     example_tokens,
+    first_record,
     load_chat_template,
     load_tokenizer,
     open_documents,
@@ -268,3 +270,43 @@ def test_the_step_loss_is_the_mean_over_every_trained_token() -> None:
     DDP gradient and the loss equal one batch holding every window."""
     for loss, expected in run_distributed(_normalisation_worker, 2):
         assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_json_array_file_reads_like_json_lines(tmp_path: Path) -> None:
+    """A .json (or .json.gz) file holding one JSON array is read element by element, each
+    checked as a JSON line is (a field of another type damages that element only); an array that
+    cannot be parsed is one damaged record with the fix."""
+    rows = [{"prompt": f"Q{i}?", "completion": f" A{i}"} for i in range(4)]
+    rows[2] = {"prompt": "Q2?", "completion": 7}
+    lines = _write_jsonl(tmp_path / "pc.jsonl.gz", [json.dumps(row) for row in rows])
+    array = tmp_path / "pc.json"
+    array.write_text("\n  " + json.dumps(rows, indent=2))
+    packed = tmp_path / "pc_array.json.gz"
+    with gzip.open(packed, "wt") as handle:
+        handle.write(json.dumps(rows))
+    fmt = ExampleFormat("prompt-completion")
+    expected = [record["text"] for record in read_records([str(lines)], fmt)]
+    for source in (array, packed):
+        assert data_format(ExampleFormat("auto"), first_record([str(source)], "x"), "x").name == (
+            "prompt-completion"
+        )
+        records = list(read_records([str(source)], fmt))
+        assert [record["text"] for record in records] == expected
+        assert records[2]["error"] == f"{source} element 2 has no 'prompt' and 'completion' strings"
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(rows)[:-30])
+    (record,) = read_records([str(broken)], fmt)
+    assert record["text"] is None
+    assert record["error"].startswith(f"{broken} is one JSON array that cannot be read")
+    assert record["error"].endswith("convert it to JSON lines") and "\n" not in record["error"]
+
+
+def test_a_slow_tokenizer_is_refused_for_examples_in_one_line() -> None:
+    slow = ByT5Tokenizer()
+    check_tokenizer(slow, ExampleFormat("text"))
+    for name in ("prompt-completion", "messages"):
+        with pytest.raises(
+            UserError, match=r"slow .*\(ByT5Tokenizer\).*pass a fast tokenizer"
+        ) as info:
+            check_tokenizer(slow, ExampleFormat(name))
+        assert "\n" not in str(info.value)

@@ -64,6 +64,7 @@ from torchrun_ddp.training_data import (
     MultipleChoiceQuestion,
     PackedWindows,
     build_train_loader,
+    check_tokenizer,
     count_tokens,
     data_format,
     eval_batches,
@@ -144,7 +145,8 @@ def multiple_choice_questions(
 def example_format(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> ExampleFormat:
     """The example format of the training data: --data-format, or detected from the first
     record of --data-files (or of the hub's --dataset-split); the chat template loaded. Raises
-    UserError for data of no known format (with the fix) or a missing --chat-template."""
+    UserError for data of no known format (with the fix), a missing --chat-template, or a slow
+    tokenizer for prompt-completion or messages (``check_tokenizer``)."""
     fmt = ExampleFormat(
         name=config.data_format,
         text_field=config.text_field,
@@ -159,6 +161,7 @@ def example_format(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> E
         fmt = hub_format(fmt, config.dataset, config.dataset_config, config.dataset_split)
     if fmt.name == "text":
         return fmt
+    check_tokenizer(tokenizer, fmt)
     return replace(fmt, chat_template=load_chat_template(config.chat_template, tokenizer))
 
 

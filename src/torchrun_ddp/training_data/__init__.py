@@ -47,6 +47,7 @@ from torchrun_ddp.training_data.formats import (
     IGNORE_INDEX,
     ExampleFormat,
     check_record,
+    check_tokenizer,
     example_tokens,
     load_chat_template,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "build_train_loader",
     "check_data_file",
     "check_record",
+    "check_tokenizer",
     "count_tokens",
     "data_format",
     "data_position",

@@ -325,19 +325,22 @@ def _holds_array(path: str) -> bool:
 
 
 def _json_array(path: str) -> Iterator[tuple[object, str]]:
-    """The elements of a file holding one JSON array, through ``datasets``' json builder (which
-    reads the whole array at once); an array that cannot be parsed is one damaged record, like
-    a damaged gzip stream."""
-    rows = load_dataset("json", data_files=[path], split="train", streaming=True)
-    number = 0
+    """The elements of a file holding one JSON array, parsed whole by ``json.load`` and then
+    checked element by element as JSON lines are (``datasets``' json builder is not used: it
+    turns a field whose type changes between elements into JSON text in every element, so
+    ``" A0"`` would train as ``"\\" A0\\""``). An array that cannot be parsed is one damaged
+    record, like a damaged gzip stream."""
+    opener = gzip.open if path.endswith(".gz") else open
     try:
-        for number, row in enumerate(rows):
-            yield row, f"element {number}"
-    except ValueError as exc:  # json.JSONDecodeError and pyarrow.ArrowInvalid derive from it
+        with opener(path, "rb") as handle:
+            elements = json.load(handle)
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
         yield (
             None,
             f"is one JSON array that cannot be read ({exc}); repair it or convert it to JSON lines",
         )
+        return
+    yield from ((element, f"element {number}") for number, element in enumerate(elements))
 
 
 def _json_lines(path: str) -> Iterator[tuple[object, str]]:

@@ -134,6 +134,19 @@ def _conversation(messages: object) -> tuple[str | None, str | None]:
     return json.dumps({"messages": kept}), None
 
 
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase, fmt: ExampleFormat) -> None:
+    """Raise UserError for a slow (Python) tokenizer with ``prompt-completion`` or ``messages``:
+    it gives no character offsets, which ``example_tokens`` needs to label each token by the
+    piece (prompt or answer) it starts in."""
+    if fmt.name == "text" or getattr(tokenizer, "is_fast", False):
+        return
+    raise UserError(
+        f"the tokenizer is a slow (Python) one ({type(tokenizer).__name__}), which gives no "
+        f"character offsets, so the answer tokens of {fmt.name} examples cannot be found; pass "
+        "a fast tokenizer (a folder with tokenizer.json) as --tokenizer"
+    )
+
+
 def load_chat_template(path: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The Jinja text of ``path``; for an empty path the tokenizer's own template (None) or, if
     it has none, the bundled ``chat_template.jinja``. Raises UserError for a missing file."""
