@@ -76,7 +76,7 @@ def _two_ranks(rank: int, world_size: int, data: str, root: str) -> dict[str, st
     base, no_mc = Path(root), ("--eval-multiple-choice", "")  # scored in the straight run only
     straight = train_in_group(rank, world_size, _args(Path(data), base / "straight"))
     split = _args(Path(data), base / "split", *no_mc)
-    train_in_group(rank, world_size, [*split, "--max-steps", str(HALF)])
+    train_in_group(rank, world_size, [*split, "--max-steps", str(HALF)], export=False)
     if rank == 0:
         shutil.copytree(base / "split", base / "elastic")
     torch.distributed.barrier()

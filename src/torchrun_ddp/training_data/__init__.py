@@ -16,6 +16,9 @@ small and can be re-split among another number of ranks (``reshard_positions``),
 continue at another world size with every document trained exactly once. Held-out data is split
 per rank with ``datasets.distributed.split_dataset_by_node`` and packed by ``PackedWindows``.
 
+Multiple-choice questions for evaluation (``multiple_choice``: ``query``/``choices``/``gold``
+records) are read, checked and tokenised here too; their scoring is ``choice_scoring``'s.
+
 Damaged records. Local files are read line by line (``read_records``), so a damaged record deep
 inside a large shard (invalid JSON, bad UTF-8, no ``text``, a damaged gzip stream) becomes a
 record that names the file and line instead of an exception from the JSON parser. The training

@@ -329,16 +329,18 @@ def _json_array(path: str) -> Iterator[tuple[object, str]]:
     checked element by element as JSON lines are (``datasets``' json builder is not used: it
     turns a field whose type changes between elements into JSON text in every element, so
     ``" A0"`` would train as ``"\\" A0\\""``). An array that cannot be parsed is one damaged
-    record, like a damaged gzip stream."""
+    record, like a damaged gzip stream; a file of several values (JSON lines whose first line is
+    an array) is read as JSON lines."""
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rb") as handle:
             elements = json.load(handle)
     except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        yield (
-            None,
-            f"is one JSON array that cannot be read ({exc}); repair it or convert it to JSON lines",
-        )
+        if isinstance(exc, json.JSONDecodeError) and exc.msg == "Extra data":
+            yield from _json_lines(path)  # a whole value, then more: JSON lines of arrays
+            return
+        why = f"is one JSON array that cannot be read ({exc})"
+        yield None, f"{why}; repair it or convert it to JSON lines"
         return
     yield from ((element, f"element {number}") for number, element in enumerate(elements))
 
