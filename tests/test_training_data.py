@@ -165,7 +165,8 @@ GOOD_LINES = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range
         ("empty.json.gz", _gzip_bytes(""), "holds no records"),
         ("csv.json", b"a,b\n1,2\n", "line 1 is not JSON"),
         ("notext.json", b'{"text": "ok"}\n{"body": "x"}\n', "line 2 has no 'text' string"),
-        ("list.json", b'["text"]\n', "line 1 has no 'text' string"),
+        ("list.json", b'["text"]\n', "element 0 has no 'text' string"),  # one JSON array
+        ("lists.json", b'["text"]\n["more"]\n', "line 1 has no 'text' string"),  # JSON lines
         ("binary.json", b"\xff\xfe\x00bad", "cannot be read"),
     ],
 )

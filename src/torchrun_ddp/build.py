@@ -16,7 +16,7 @@ import math
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,6 +55,7 @@ from torchrun_ddp.model import (
     max_positions,
     settle_buckets,
     trainable_parameter_sizes,
+    trained_tokens,
     wrap_ddp,
 )
 from torchrun_ddp.optim import ScheduleSettings, build_scheduler
@@ -71,13 +72,22 @@ from torchrun_ddp.plan import (
     parameter_count,
 )
 from torchrun_ddp.training_data import (
+    ExampleFormat,
+    MultipleChoiceQuestion,
     PackedWindows,
     build_train_loader,
+    check_tokenizer,
     count_tokens,
+    data_format,
     eval_batches,
+    expand_patterns,
+    first_record,
+    hub_format,
     is_local_path,
+    load_chat_template,
     load_tokenizer,
     open_documents,
+    read_questions,
     resolve_files,
     shard_for_rank,
 )
@@ -92,7 +102,11 @@ class Inputs:
     model_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     train_documents: IterableDataset
-    eval_documents: IterableDataset
+    eval_documents: IterableDataset | None
+    """None: no held-out set (local data without --eval-files or --eval-fraction)."""
+    example_format: ExampleFormat = field(default_factory=ExampleFormat)
+    questions: list[MultipleChoiceQuestion] = field(default_factory=list)
+    """The --eval-multiple-choice questions, tokenised (every rank holds them all)."""
 
 
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
@@ -104,16 +118,20 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     check_paths(config)
     check_data_error(config)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
-    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
-    eval_files = resolve_files(config.eval_files, "--eval-files", config.max_bad_records)
-    check_enough_tokens(config, env, tokenizer, train_files)
+    fmt = example_format(config, tokenizer)
+    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records, fmt)
+    eval_files = resolve_files(config.eval_files, "--eval-files", config.max_bad_records, fmt)
+    check_enough_tokens(config, env, tokenizer, train_files, fmt)
     warn_long_warmup(config, env)
     hub = (config.dataset, config.dataset_config)
+    fraction = config.eval_fraction if train_files and not eval_files else 0.0
     return Inputs(
         model_config=model_config,
         tokenizer=tokenizer,
-        train_documents=open_documents(train_files, *hub, split="train"),
-        eval_documents=open_documents(eval_files, *hub, split="validation"),
+        train_documents=open_documents(train_files, *hub, config.dataset_split, fmt, fraction),
+        eval_documents=eval_documents(config, train_files, eval_files, fmt),
+        example_format=fmt,
+        questions=multiple_choice_questions(config, tokenizer),
     )
 
 
@@ -159,8 +177,60 @@ def check_dry_run_inputs(
     return count_tokens(train_files, tokenizer, sys.maxsize)
 
 
+def multiple_choice_questions(
+    config: TrainConfig, tokenizer: PreTrainedTokenizerBase
+) -> list[MultipleChoiceQuestion]:
+    """The --eval-multiple-choice questions, tokenised ([] without the flag); raises UserError
+    in one line for a file that cannot be read or a question that is not well formed."""
+    if not config.eval_multiple_choice:
+        return []
+    return read_questions(config.eval_multiple_choice, tokenizer)
+
+
+def example_format(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> ExampleFormat:
+    """The example format of the training data: --data-format, or detected from the first
+    record of --data-files (or of the hub's --dataset-split); the chat template loaded. Raises
+    UserError for data of no known format (with the fix), a missing --chat-template, or a slow
+    tokenizer for prompt-completion or messages (``check_tokenizer``)."""
+    fmt = ExampleFormat(
+        name=config.data_format,
+        text_field=config.text_field,
+        train_on_prompt=config.train_on_prompt,
+        separate=config.separate_documents,
+        packing=config.packing,
+    )
+    if config.data_files:
+        files = expand_patterns(config.data_files, "--data-files")
+        fmt = data_format(fmt, first_record(files, "--data-files"), "--data-files")
+    else:
+        fmt = hub_format(fmt, config.dataset, config.dataset_config, config.dataset_split)
+    if fmt.name == "text":
+        return fmt
+    check_tokenizer(tokenizer, fmt)
+    return replace(fmt, chat_template=load_chat_template(config.chat_template, tokenizer))
+
+
+def eval_documents(
+    config: TrainConfig, train_files: list[str], eval_files: list[str], fmt: ExampleFormat
+) -> IterableDataset | None:
+    """The held-out records: --eval-files; else the --eval-fraction slice of --data-files
+    (nothing when it is 0, never the hub); else the hub dataset's --eval-split."""
+    hub = (config.dataset, config.dataset_config)
+    if eval_files:
+        return open_documents(eval_files, *hub, "", fmt)
+    if train_files:
+        if not config.eval_fraction:
+            return None
+        return open_documents(train_files, *hub, "", fmt, config.eval_fraction, heldout=True)
+    return open_documents([], *hub, config.eval_split, fmt) if config.eval_split else None
+
+
 def check_enough_tokens(
-    config: TrainConfig, env: DistEnv, tokenizer: PreTrainedTokenizerBase, files: list[str]
+    config: TrainConfig,
+    env: DistEnv,
+    tokenizer: PreTrainedTokenizerBase,
+    files: list[str],
+    fmt: ExampleFormat | None = None,
 ) -> None:
     """Raise UserError when the local training ``files`` (over all --epochs) give fewer tokens
     than one optimizer step takes over all ranks, so a run that could train nothing stops
@@ -170,7 +240,8 @@ def check_enough_tokens(
     if config.resume_from or (config.resume and find_latest(checkpoint_root(config))):
         return
     needed = tokens_per_step(config, env)
-    found = count_tokens(files, tokenizer, -(-needed // config.epochs))
+    held = config.eval_fraction if not config.eval_files else 0.0
+    found = count_tokens(files, tokenizer, -(-needed // config.epochs), fmt, held)
     if found is None or found * config.epochs >= needed:
         return
     epochs = f" x --epochs {config.epochs}" if config.epochs > 1 else ""
@@ -473,8 +544,10 @@ def build_train_data(
         shuffle_buffer=config.shuffle_buffer,
         seed=config.seed,
         max_bad_records=config.max_bad_records,
+        fmt=inputs.example_format,
     )
-    return LookaheadBatches(loader, config.accumulation_steps, device)
+    count = trained_tokens if inputs.example_format.labelled else None
+    return LookaheadBatches(loader, config.accumulation_steps, device, count)
 
 
 def build_eval_set(
@@ -486,9 +559,12 @@ def build_eval_set(
     MIN), so the held-out loss is a mean over equal shares, and so a model whose buffers DDP
     broadcasts in every forward (``model.constant_buffers`` false) cannot hang in ``evaluate``.
     """
-    shard = shard_for_rank(inputs.eval_documents, env.rank, env.world_size)
-    windows = PackedWindows(shard, inputs.tokenizer, config.seq_length)
-    batches = eval_batches(windows, config.batch_size, config.eval_batches)
+    batches: list[torch.Tensor] = []
+    if inputs.eval_documents is not None:
+        shard = shard_for_rank(inputs.eval_documents, env.rank, env.world_size)
+        fmt = inputs.example_format
+        windows = PackedWindows(shard, inputs.tokenizer, config.seq_length, fmt=fmt)
+        batches = eval_batches(windows, config.batch_size, config.eval_batches)
     count = torch.tensor([len(batches)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
     if int(count.item()) < len(batches):
@@ -524,6 +600,8 @@ class Trainer:
     resume)."""
     storage: StorageLayout | None = None
     """Which ranks share a checkpoint folder (None: every rank one folder)."""
+    questions: list[MultipleChoiceQuestion] = field(default_factory=list)
+    """This rank's share of the --eval-multiple-choice questions (every world_size-th)."""
     segment: int = 0
     """How many times the run has been resumed (saved in checkpoints: a step saved again on a
     new timeline, after a resume from an older step, outranks a stale copy of it)."""
@@ -581,4 +659,5 @@ def build_trainer(
         tokenizer=inputs.tokenizer,
         run_id=run_id,
         storage=storage,
+        questions=inputs.questions[env.rank :: env.world_size],
     )

@@ -92,12 +92,16 @@ class TrainConfig:
     tokenizer: str = _opt("", "Tokenizer hub id or folder; empty means the same as --model.")
     # Data
     dataset: str = _opt("allenai/c4", "Hub dataset streamed when --data-files is empty.")
-    dataset_config: str = _opt("en", "Config name of the hub dataset (C4: en).")
+    dataset_config: str = _opt("en", "Config name of the hub dataset (C4: en); empty: none.")
     data_files: list[str] = _opt(
-        [], "Local json/json.gz training files in C4's layout (globs allowed); overrides --dataset."
+        [],
+        "Local training files (globs allowed): JSON lines (.json, .jsonl, .json.gz), .parquet, "
+        ".arrow, or save_to_disk folders; overrides --dataset.",
     )
     eval_files: list[str] = _opt(
-        [], "Local json/json.gz held-out files; empty means the hub dataset's validation split."
+        [],
+        "Local held-out files (as --data-files); empty: --eval-fraction of --data-files, or the "
+        "hub dataset's --eval-split without --data-files.",
     )
     shuffle_buffer: int = _opt(
         1000,
@@ -108,6 +112,50 @@ class TrainConfig:
         100,
         "Damaged training records (bad JSON, bad UTF-8, no text, a damaged gzip stream) skipped "
         "with a warning naming the file and line; one more stops the run with an error.",
+    )
+    data_format: str = _opt(
+        "auto",
+        "Example format of the data: text (documents under --text-field, packed back to back, "
+        "every token trained), prompt-completion ({prompt, completion}: loss on the completion), "
+        "messages ({messages: [{role, content}]}, rendered with the chat template: loss on the "
+        "assistant turns); auto: detected from the first record. See docs/data.md.",
+        choices=["auto", "text", "prompt-completion", "messages"],
+    )
+    text_field: str = _opt("text", "The text field of text records.")
+    chat_template: str = _opt(
+        "",
+        "messages: a Jinja chat template file; empty: the tokenizer's own, or the bundled "
+        "plain template where the tokenizer has none.",
+    )
+    train_on_prompt: bool = _opt(
+        False,
+        "prompt-completion and messages: train on the prompt (system and user turns) too; "
+        "off: their labels are -100 and the loss is on the answers only.",
+    )
+    packing: bool = _opt(
+        True,
+        "Pack several examples into each window (kept apart: no token attends to another "
+        "example, positions restart); false: one example per window, padded.",
+    )
+    separate_documents: bool = _opt(
+        False,
+        "text: keep documents apart in their windows as examples are (per-document attention "
+        "and positions); off: documents run on across windows, as in pretraining.",
+    )
+    eval_fraction: float = _opt(
+        0.0,
+        "With --data-files and no --eval-files: hold out this fraction of each file's records "
+        "(an even, deterministic slice) for evaluation; 0: no held-out evaluation.",
+    )
+    eval_multiple_choice: str = _opt(
+        "",
+        "A file of multiple-choice questions ({query, choices, gold}: JSON lines or any type "
+        "--data-files takes) scored at every evaluation by each choice's log-likelihood, "
+        "reported as mc_accuracy and mc_accuracy_per_char; empty: none. See docs/data.md.",
+    )
+    dataset_split: str = _opt("train", "Split of the hub dataset to train on.")
+    eval_split: str = _opt(
+        "validation", "Split of the hub dataset to evaluate on; empty: no held-out evaluation."
     )
     seq_length: int = _opt(512, "Tokens per packed training window.")
     batch_size: int = _opt(4, "Micro-batch size in windows per rank.")

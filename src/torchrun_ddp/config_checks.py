@@ -55,6 +55,8 @@ def validate(config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
 
 def _validate_combinations(config: TrainConfig, given: frozenset[str]) -> None:
     """Reject options that are valid alone but not together."""
+    if not 0.0 <= config.eval_fraction < 1.0:
+        raise UserError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
     if config.min_lr > config.learning_rate:
         raise UserError("--min-lr must not exceed --learning-rate")
     _validate_lora(config)

@@ -97,7 +97,7 @@ def check_file_values(values: dict[str, object], path: str) -> dict[str, object]
 # Inputs a config file may name by a path relative to itself. Outputs (output_dir,
 # checkpoint_dir) stay relative to the working directory, as in torchtitan and HF Trainer.
 _PATH_OR_HUB_ID = ("model", "tokenizer")
-_PATHS = ("resume_from",)
+_PATHS = ("resume_from", "chat_template", "eval_multiple_choice")
 _PATH_LISTS = ("data_files", "eval_files")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 import torch
@@ -39,12 +39,27 @@ class LookaheadBatches:
 
     ``state_dict`` is the position after the last step handed out by :meth:`next_step`.
     ``data_time_s`` accumulates the seconds spent reading (host wall clock).
+
+    ``count_tokens`` (labelled batches, examples kept apart): the trained tokens of one
+    micro-batch (a 0-d tensor on the device). :meth:`local_tokens` gives each held step's count,
+    the loop sums them over ranks in the log step's all-reduce and hands them back with
+    :meth:`set_global_tokens`; :meth:`next_step` then sets ``step_tokens``, the step's trained
+    tokens over all ranks (None without ``count_tokens``).
     """
 
-    def __init__(self, source: DataSource, accumulation_steps: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        source: DataSource,
+        accumulation_steps: int,
+        device: torch.device,
+        count_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.source = source
         self.accumulation_steps = accumulation_steps
         self.device = device
+        self.count_tokens = count_tokens
+        self.global_tokens: deque[torch.Tensor] = deque()
+        self.step_tokens: torch.Tensor | None = None
         self.ready: deque[tuple[list[torch.Tensor], Mapping[str, object]]] = deque()
         self.trained_position: Mapping[str, object] = source.state_dict()
         self.data_time_s = 0.0
@@ -80,7 +95,23 @@ class LookaheadBatches:
         them (a bug in the caller, never a data condition)."""
         batches, position = self.ready.popleft()
         self.trained_position = position
+        self.step_tokens = self.global_tokens.popleft() if self.global_tokens else None
         return batches
+
+    def local_tokens(self, steps: int) -> torch.Tensor | None:
+        """This rank's trained tokens in each of the next ``steps`` held steps (float64
+        [steps] on the device, 0 past the steps held), or None without ``count_tokens``."""
+        if self.count_tokens is None:
+            return None
+        counts = torch.zeros(steps, dtype=torch.float64, device=self.device)
+        for index, (batches, _) in zip(range(steps), self.ready, strict=False):
+            counts[index] = sum(self.count_tokens(batch) for batch in batches)
+        return counts
+
+    def set_global_tokens(self, counts: torch.Tensor) -> None:
+        """The trained tokens over all ranks of the next held steps (``local_tokens`` summed
+        over ranks), handed out one per :meth:`next_step` as ``step_tokens``."""
+        self.global_tokens = deque(counts.unbind())
 
     def pop_data_time(self) -> float:
         """Seconds spent reading since the last call."""

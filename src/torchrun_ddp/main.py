@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
@@ -54,7 +55,7 @@ from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point, perturbation
 from torchrun_ddp.metrics import any_rank, check_records, progress_bar, restart_records
-from torchrun_ddp.model import autocast_context
+from torchrun_ddp.model import autocast_context, causal_lm_inputs
 from torchrun_ddp.parallelize import clip_grad_norm, no_gradient_sync
 from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
 from torchrun_ddp.training_data import bad_record_count
@@ -205,11 +206,16 @@ def check_in(
     has_data = trainer.data.read_ahead(int(ahead))
     flags = [not has_data, stop_requested]
     trainer.window.add_data_time(trainer.data.pop_data_time())
+    tokens = trainer.data.local_tokens(int(ahead))  # summed over ranks in the same all-reduce
     if trainer.window.steps == 0:  # before the first step: nothing to log yet
-        data_ends, stopping = any_rank(flags, trainer.device)
+        data_ends, stopping = any_rank(flags, trainer.device, tokens)
+        if tokens is not None:
+            trainer.data.set_global_tokens(tokens)
         return data_ends, stopping
     lr = float(trainer.scheduler.get_last_lr()[0])
-    record, (data_ends, stopping) = trainer.window.flush(step, lr, flags)
+    record, (data_ends, stopping) = trainer.window.flush(step, lr, flags, tokens)
+    if tokens is not None:
+        trainer.data.set_global_tokens(tokens)
     check_loss(float(record["loss"]), step, trainer.config.max_loss)
     if skipped := bad_record_count(trainer.data.trained_position):
         record["bad_records"] = skipped
@@ -236,24 +242,39 @@ def check_loss(loss: float, step: int, max_loss: float) -> None:
 
 
 def forward_backward(
-    model: torch.nn.Module, batches: list[torch.Tensor], precision: str = "fp32"
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    precision: str = "fp32",
+    step_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Accumulate gradients over the micro-batches; returns the step's mean loss (detached).
+    """Accumulate gradients over the micro-batches (int64 [B, L] token ids, or [B, 3, L] ids,
+    labels, positions: ``model.causal_lm_inputs``); returns the step's loss (detached).
 
-    Each micro-batch's loss is divided by their number, so the accumulated gradient equals one
-    large batch's (every window has the same token count). Gradients are all-reduced (DDP) or
-    reduce-scattered (FSDP) only on the last micro-batch; ``parallelize.no_gradient_sync``
-    (DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync``) skips it on the others. The
-    forward runs under
-    ``autocast_context(precision)`` (bf16-mixed: bfloat16 matmuls); backward runs outside it, as
-    torch's AMP recipe says.
+    Without ``step_tokens`` each micro-batch's mean loss is divided by their number, so the
+    accumulated gradient equals one large batch's where every window trains the same number of
+    tokens (text packed back to back). With ``step_tokens`` (0-d, the step's trained tokens over
+    all ranks and micro-batches) each micro-batch's summed token loss is divided by
+    ``step_tokens / world_size``: after the mean over ranks (DDP's all-reduce, FSDP's
+    reduce-scatter) the gradient is that of the mean over every trained token of the step, as
+    one large batch gives; the returned value averaged over ranks is that mean. Gradients are
+    all-reduced (DDP) or reduce-scattered (FSDP) only on the last micro-batch;
+    ``parallelize.no_gradient_sync`` (DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync``)
+    skips it on the others. The forward runs under ``autocast_context(precision)`` (bf16-mixed:
+    bfloat16 matmuls); backward runs outside it, as torch's AMP recipe says.
     """
     total = torch.zeros((), device=batches[0].device)
-    for index, input_ids in enumerate(batches):
+    divisor = None
+    if step_tokens is not None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        divisor = step_tokens.clamp(min=1) / world_size
+    for index, batch in enumerate(batches):
         last = index == len(batches) - 1
         with nullcontext() if last else no_gradient_sync(model):
-            with autocast_context(precision, input_ids.device):
-                loss = model(input_ids=input_ids, labels=input_ids).loss / len(batches)
+            with autocast_context(precision, batch.device):
+                if divisor is None:
+                    loss = model(**causal_lm_inputs(batch)).loss / len(batches)
+                else:
+                    loss = model(**causal_lm_inputs(batch), num_items_in_batch=divisor).loss
             loss.backward()
         total += loss.detach()
     return total
@@ -261,7 +282,8 @@ def forward_backward(
 
 def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tensor, Tensor]:
     """One optimizer step over ``batches``: returns (mean loss, gradient norm before clipping)."""
-    loss = forward_backward(trainer.model, batches, trainer.config.precision)
+    precision = trainer.config.precision
+    loss = forward_backward(trainer.model, batches, precision, trainer.data.step_tokens)
     fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
     if perturbation("nan-loss") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
         loss = loss * math.nan

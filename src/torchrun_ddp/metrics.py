@@ -13,7 +13,9 @@ nothing). The byte counts are averages per step over the logging window of what 
 the steps that sent it: an optimizer that syncs every H steps (DiLoCo, SparseLoCo) counts its
 whole message in the sync step, so at ``--log-every 1`` the other steps read 0, and at a
 ``--log-every`` that is a multiple of H each record gives the average per step. Evaluation
-records carry ``eval_loss`` and ``eval_ppl``. Every line of ``metrics.jsonl`` also carries the
+records carry ``eval_loss`` and ``eval_ppl``, and with --eval-multiple-choice ``mc_accuracy`` and
+``mc_accuracy_per_char`` (fractions of questions, each with its ``_stderr``) and
+``mc_questions``. Every line of ``metrics.jsonl`` also carries the
 ``run_id`` of the run that wrote it (the id in the checkpoint folder's ``run.json``).
 """
 
@@ -201,7 +203,7 @@ class TensorBoardSink:
 
     def write(self, record: Record) -> None:
         step = int(record["step"])
-        group = "eval" if "eval_loss" in record else "train"
+        group = "eval" if "eval_loss" in record or "mc_accuracy" in record else "train"
         for key, value in record.items():
             if key != "step":
                 self.writer.add_scalar(f"{group}/{key}", value, global_step=step)
@@ -397,12 +399,21 @@ class LogWindow:
         self.data_time += seconds
         self.step_time += seconds
 
-    def flush(self, step: int, lr: float, flags: list[bool]) -> tuple[Record, list[bool]]:
+    def flush(
+        self, step: int, lr: float, flags: list[bool], extra: torch.Tensor | None = None
+    ) -> tuple[Record, list[bool]]:
         """Collective: the window's record (loss averaged over ranks) and ``flags`` OR-ed over
-        ranks, in one all-reduce (SUM) of ``[loss, *flags]``; then reset. Needs >= 1 step."""
+        ranks, in one all-reduce (SUM) of ``[loss, *flags]``; then reset. Needs >= 1 step.
+        ``extra`` (float64, 1-D, on the device) rides in the same all-reduce in float64 and is
+        summed over ranks in place."""
         began = time.perf_counter()
         summed = torch.stack([self.loss / self.steps, *(self.loss.new_tensor(f) for f in flags)])
+        if extra is not None:
+            summed = torch.cat([summed.double(), extra])
         torch.distributed.all_reduce(summed)
+        if extra is not None:
+            extra.copy_(summed[len(summed) - len(extra) :])
+            summed = summed[: len(summed) - len(extra)]
         values = summed.tolist()
         self.step_time += time.perf_counter() - began
         tokens_per_s = self.tokens_per_step * self.steps / self.step_time
@@ -427,8 +438,16 @@ class LogWindow:
         return record, [value > 0 for value in values[1:]]
 
 
-def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
-    """Collective: each flag OR-ed over all ranks (one all-reduce, MAX)."""
+def any_rank(
+    flags: list[bool], device: torch.device, extra: torch.Tensor | None = None
+) -> list[bool]:
+    """Collective: each flag OR-ed over all ranks (one all-reduce, MAX); ``extra`` (float64,
+    1-D, on ``device``) rides in the same all-reduce (then SUM) and is summed in place."""
+    if extra is not None:
+        values = torch.cat([torch.tensor(flags, dtype=torch.float64, device=device), extra])
+        torch.distributed.all_reduce(values)
+        extra.copy_(values[len(flags) :])
+        return [value > 0 for value in values[: len(flags)].tolist()]
     values = torch.tensor([int(flag) for flag in flags], device=device)
     torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
     return [bool(value) for value in values.tolist()]

@@ -1,4 +1,8 @@
-"""Stream, order, tokenise and pack text into full windows; train and eval loaders.
+"""Stream, order, tokenise and pack text or examples into full windows; train and eval loaders.
+
+Formats (``formats``): ``text`` documents, ``prompt-completion`` pairs and chat ``messages``,
+each record checked where it is read; examples are packed whole and kept apart with labels and
+restarting positions (``packing``), ``text`` back to back unless ``--separate-documents``.
 
 Documents come from ``datasets`` streaming (the hub's ``allenai/c4`` or local json/json.gz
 files in C4's layout), are tokenised as ``BOS + tokens + EOS`` (without BOS for tokenizers that
@@ -11,6 +15,9 @@ the whole stream, shuffles it in fixed blocks, and takes the positions dealt to 
 small and can be re-split among another number of ranks (``reshard_positions``), so a run can
 continue at another world size with every document trained exactly once. Held-out data is split
 per rank with ``datasets.distributed.split_dataset_by_node`` and packed by ``PackedWindows``.
+
+Multiple-choice questions for evaluation (``multiple_choice``: ``query``/``choices``/``gold``
+records) are read, checked and tokenised here too; their scoring is ``choice_scoring``'s.
 
 Damaged records. Local files are read line by line (``read_records``), so a damaged record deep
 inside a large shard (invalid JSON, bad UTF-8, no ``text``, a damaged gzip stream) becomes a
@@ -27,13 +34,26 @@ from torchrun_ddp.training_data.documents import (
     TOKENIZER_FILES,
     check_data_file,
     count_tokens,
+    data_format,
     document_tokens,
+    expand_patterns,
+    first_record,
+    hub_format,
     is_local_path,
     load_tokenizer,
     open_documents,
     read_records,
     resolve_files,
     shard_for_rank,
+)
+from torchrun_ddp.training_data.formats import (
+    FORMATS,
+    IGNORE_INDEX,
+    ExampleFormat,
+    check_record,
+    check_tokenizer,
+    example_tokens,
+    load_chat_template,
 )
 from torchrun_ddp.training_data.global_order import (
     DATA_ORDER,
@@ -51,30 +71,46 @@ from torchrun_ddp.training_data.loader import (
     data_position,
     own_process_group,
 )
+from torchrun_ddp.training_data.multiple_choice import MultipleChoiceQuestion, read_questions
+from torchrun_ddp.training_data.packing import Packer
 
 __all__ = [
     "DATA_ORDER",
+    "FORMATS",
     "FULL_CHECK_BYTES",
+    "IGNORE_INDEX",
     "RECORD_FEATURES",
     "TOKENIZER_FILES",
     "UNSHUFFLED_BLOCK",
     "DocumentBlocks",
+    "ExampleFormat",
     "GlobalPackedWindows",
+    "MultipleChoiceQuestion",
     "PackedWindows",
+    "Packer",
     "TrainLoader",
     "bad_record_count",
     "build_loader",
     "build_train_loader",
     "check_data_file",
+    "check_record",
+    "check_tokenizer",
     "count_tokens",
+    "data_format",
     "data_position",
     "document_tokens",
     "eval_batches",
+    "example_tokens",
+    "expand_patterns",
+    "first_record",
     "fresh_position",
+    "hub_format",
     "is_local_path",
+    "load_chat_template",
     "load_tokenizer",
     "open_documents",
     "own_process_group",
+    "read_questions",
     "read_records",
     "reshard_positions",
     "resolve_files",

@@ -14,7 +14,8 @@ from datasets import IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from torchrun_ddp.errors import DataError, UserError
-from torchrun_ddp.training_data.documents import document_tokens
+from torchrun_ddp.training_data.formats import ExampleFormat
+from torchrun_ddp.training_data.packing import Packer
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -183,13 +184,16 @@ def fresh_position(rank: int, world_size: int) -> dict[str, object]:
 
 
 class GlobalPackedWindows(torch.utils.data.IterableDataset):
-    """This rank's packed windows (int64 tensors of shape [seq_length]) of a global order.
+    """This rank's packed windows of a global order: int64 [seq_length] token ids packed back to
+    back, or int64 [3, seq_length] (ids, labels, positions) with examples kept apart
+    (``packing.Packer``, as ``fmt`` says).
 
     Every rank reads the whole stream in ``DocumentBlocks`` (blocks of ``shuffle_buffer``
     documents shuffled by (seed, epoch, block); stream order in blocks of ``UNSHUFFLED_BLOCK``
     when it is 0) and takes the positions its state deals it: first its ``queue``, then every
     ``world_size``-th position from ``start + rank``. Each document becomes ``[BOS] + ids + [EOS]``
-    and the tokens are cut into full windows (``carry`` holds the rest). ``state_dict`` is small
+    and the tokens are cut into full windows (``carry`` holds the rest), or each example is
+    packed whole (``carry`` holds the examples not yet in a window). ``state_dict`` is small
     JSON (see ``fresh_position``) and exact after the last window yielded; ``reshard_positions``
     re-splits the states of all ranks among another number of ranks.
     """
@@ -205,10 +209,12 @@ class GlobalPackedWindows(torch.utils.data.IterableDataset):
         shuffle_buffer: int = 0,
         seed: int = 0,
         max_bad_records: int = 0,
+        fmt: ExampleFormat | None = None,
     ) -> None:
         super().__init__()
         self.settings = (documents, tokenizer, seq_length, epochs, shuffle_buffer, seed)
         self.max_bad_records = max_bad_records
+        self.fmt = fmt or ExampleFormat()
         block = shuffle_buffer or UNSHUFFLED_BLOCK
         shuffle = shuffle_buffer > 0
         self.blocks = DocumentBlocks(documents, block, seed, shuffle, max_bad_records)
@@ -223,17 +229,14 @@ class GlobalPackedWindows(torch.utils.data.IterableDataset):
         self.blocks.restore(state["reader"])
         self.blocks.length = state["length"]
         self.blocks.bad_records = set(state.get("bad_records", []))
-        carry: list[int] = state["carry"]
+        packer = Packer(self.tokenizer, self.fmt, self.seq_length, state["carry"])
+        if self.fmt.labelled:  # examples merged from several ranks' carries
+            yield from packer.flush(final=False)
         while (target := self._target()) is not None:
             text = self.blocks.text(*target)
             self._advance(past_end=text is None)
-            if text is None:
-                continue
-            carry.extend(document_tokens(self.tokenizer, text))
-            while len(carry) >= self.seq_length:
-                window = carry[: self.seq_length]
-                del carry[: self.seq_length]
-                yield torch.tensor(window, dtype=torch.long)
+            if text is not None:
+                yield from packer.add(text)
 
     def _target(self) -> tuple[int, int] | None:
         """The next (epoch, position) to read, or None when every epoch is done."""
@@ -280,7 +283,7 @@ class GlobalPackedWindows(torch.utils.data.IterableDataset):
         documents, tokenizer, seq_length, epochs, shuffle_buffer, seed = self.settings
         twin = GlobalPackedWindows(
             documents, tokenizer, seq_length, rank, world_size, epochs, shuffle_buffer, seed,
-            self.max_bad_records,
+            self.max_bad_records, self.fmt,
         )  # fmt: skip
         twin.blocks.report_bad = False
         for _ in zip(range(windows), twin, strict=False):

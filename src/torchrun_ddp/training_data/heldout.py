@@ -13,11 +13,15 @@ from datasets import IterableDataset
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from torchrun_ddp.training_data.documents import document_tokens
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.training_data.formats import ExampleFormat
+from torchrun_ddp.training_data.packing import Packer
 
 
 class PackedWindows(torch.utils.data.IterableDataset):
-    """Windows of ``seq_length`` token ids (int64 tensors of shape [seq_length]), packed.
+    """Windows of ``seq_length`` token ids (int64 tensors of shape [seq_length]), packed; or
+    [3, seq_length] (ids, labels, positions) with examples kept apart (``packing.Packer``, as
+    ``fmt`` says; the last examples of an epoch then fill a padded window of their own).
 
     Documents pass through a seeded shuffle buffer of ``shuffle_buffer`` documents (reseeded
     each epoch from ``seed`` and the epoch; 0 keeps stream order). Each non-blank document
@@ -35,8 +39,10 @@ class PackedWindows(torch.utils.data.IterableDataset):
         epochs: int = 1,
         shuffle_buffer: int = 0,
         seed: int = 0,
+        fmt: ExampleFormat | None = None,
     ) -> None:
         super().__init__()
+        self.fmt = fmt or ExampleFormat()
         self.documents = documents
         self.tokenizer = tokenizer
         self.seq_length = seq_length
@@ -44,13 +50,10 @@ class PackedWindows(torch.utils.data.IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
         self.epoch = 0
-        self.tokens: list[int] = []
+        self.tokens: list = []
         self.pending: list[str] = []
         self.rng = random.Random(seed)
         self.resumed = False
-
-    def _token_ids(self, text: str | None) -> list[int]:
-        return document_tokens(self.tokenizer, text)
 
     def _shuffled_texts(self) -> Iterator[str | None]:
         """One epoch of documents through the shuffle buffer (``pending``)."""
@@ -72,12 +75,13 @@ class PackedWindows(torch.utils.data.IterableDataset):
                 self.documents.set_epoch(self.epoch)
                 self.rng.seed(self.seed * 1_000_003 + self.epoch)
             self.resumed = False
+            packer = Packer(self.tokenizer, self.fmt, self.seq_length, self.tokens)
             for text in self._shuffled_texts():
-                self.tokens.extend(self._token_ids(text))
-                while len(self.tokens) >= self.seq_length:
-                    window = self.tokens[: self.seq_length]
-                    del self.tokens[: self.seq_length]
-                    yield torch.tensor(window, dtype=torch.long)
+                if text is None:
+                    raise UserError("a data record has no 'text' field; every JSON line needs one")
+                yield from packer.add(text)
+            if self.fmt.labelled:  # the last examples, in a window of their own
+                yield from packer.flush(final=True)
             self.epoch += 1
 
     def state_dict(self) -> dict[str, object]:

@@ -15,6 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import PreTrainedTokenizerBase
 
 from torchrun_ddp.errors import DataError
+from torchrun_ddp.training_data.formats import ExampleFormat
 from torchrun_ddp.training_data.global_order import GlobalPackedWindows, reshard_positions
 
 
@@ -125,14 +126,16 @@ def build_train_loader(
     shuffle_buffer: int = 0,
     seed: int = 0,
     max_bad_records: int = 0,
+    fmt: ExampleFormat | None = None,
 ) -> TrainLoader:
-    """This rank's training micro-batches (int64 [batch_size, seq_length]): the global document
+    """This rank's training micro-batches (int64 [batch_size, seq_length], or [batch_size, 3,
+    seq_length] with examples kept apart, as ``fmt`` says): the global document
     order of ``GlobalPackedWindows`` (every rank reads the whole stream of ``documents``), packed
     in a ``StatefulDataLoader`` worker. Incomplete final micro-batches are dropped; damaged
     records are skipped up to ``max_bad_records`` (then DataError)."""
     windows = GlobalPackedWindows(
         documents, tokenizer, seq_length, rank, world_size, epochs, shuffle_buffer, seed,
-        max_bad_records,
+        max_bad_records, fmt,
     )  # fmt: skip
     return TrainLoader(windows, batch_size, seed)
 
