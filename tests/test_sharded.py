@@ -214,6 +214,7 @@ REFUSED = {
     ("--ddp-static-graph", "--accumulation-steps", "1"): "--ddp-static-graph",
     ("--compression-scope", "inter-node"): "--compression-scope inter-node",
     ("--checkpoint-storage", "node-local"): "--checkpoint-storage node-local",
+    ("--eval-multiple-choice", "questions.jsonl"): "--eval-multiple-choice",
 }
 
 

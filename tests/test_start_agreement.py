@@ -68,7 +68,9 @@ def _evaluate(rank: int, world_size: int, tokenizer_dir: str, eval_file: str) ->
     inputs = Inputs(tiny_llama_config(len(tokenizer)), tokenizer, documents, documents)
     eval_set = build_eval_set(config, env, inputs, CPU)
     model = build_model("tiny", inputs.model_config, "random", "fp32", 0, CPU)
-    trainer = SimpleNamespace(model=wrap_ddp(model, CPU), eval_set=eval_set, device=CPU)
+    trainer = SimpleNamespace(
+        model=wrap_ddp(model, CPU), eval_set=eval_set, device=CPU, questions=[]
+    )
     trainer.config = config
     record = evaluate(trainer)
     return {"batches": len(eval_set), "eval_loss": record.get("eval_loss", -1.0)}

@@ -100,6 +100,12 @@ def _validate_data_parallel(config: TrainConfig) -> None:
             f"--compression-scope {config.compression_scope} is a DDP comm-hook setting; use "
             f"--compression-scope global under --data-parallel {mode}"
         )
+    if config.eval_multiple_choice:
+        raise UserError(
+            f"--eval-multiple-choice is not supported under --data-parallel {mode} yet (ranks "
+            "score different numbers of questions, and FSDP's forward is collective); use "
+            "--data-parallel ddp or drop --eval-multiple-choice"
+        )
     if config.checkpoint_storage == "node-local":
         raise UserError(
             f"--checkpoint-storage node-local is not supported under --data-parallel {mode} "

@@ -50,7 +50,9 @@ def multiple_choice_counts(trainer: Trainer) -> torch.Tensor:
     summed log-likelihood and by the log-likelihood per character (``choice_scoring``). Runs the
     model without its DDP wrapper, so ranks with more questions than others call no collective."""
     counts = torch.zeros(3, dtype=torch.float64)
-    module = trainer.model.module
+    if not trainer.questions:
+        return counts
+    module = trainer.model.module  # DDP only: --eval-multiple-choice is refused under FSDP
     for question in trainer.questions:
         with autocast_context(trainer.config.precision, trainer.device):
             scores = choice_loglikelihoods(

@@ -1,5 +1,5 @@
 """Multiple-choice questions for evaluation: ``{"query": str, "choices": [str, ...], "gold":
-int}`` records (the layout of ``../shared/data/sft/*.multiple_choice.jsonl.gz``: OLMES' "rc"
+int}`` records (the layout of the bundled ``data/sft/*.multiple_choice.jsonl.gz``: OLMES' "rc"
 form), read from one file of any type ``documents`` reads, checked, and tokenised the way
 lm-evaluation-harness builds its log-likelihood requests: each choice is the continuation
 ``" " + choice`` of the query, tokenised together with it, and its tokens are those past the
