@@ -11,9 +11,9 @@ import pytest
 from distributed_harness import REPO, tiny_args, torchrun
 from transformers import PreTrainedTokenizerBase
 
-from torchrun_ddp.build import check_data_error, record_data_error
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import DataError, UserError
+from torchrun_ddp.inputs import check_data_error, record_data_error
 from torchrun_ddp.training_data import (
     GlobalPackedWindows,
     TrainLoader,

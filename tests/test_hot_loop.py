@@ -18,9 +18,9 @@ from distributed_harness import run_distributed, tiny_args
 from tiny_models import tiny_model_path
 from torch.profiler import ProfilerActivity, profile
 
-from torchrun_ddp.build import prepare_inputs
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.inputs import prepare_inputs
 from torchrun_ddp.main import start, train
 
 pytestmark = pytest.mark.slow  # profiles training steps on 2 spawned ranks

@@ -42,7 +42,7 @@ from tiny_models import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from torchrun_ddp.build import Trainer, prepare_inputs
+from torchrun_ddp.build import Trainer
 from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
 from torchrun_ddp.compression import (
     register_local_gradients,
@@ -50,6 +50,7 @@ from torchrun_ddp.compression import (
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv, NodeGroups, new_node_groups
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.inputs import prepare_inputs
 from torchrun_ddp.main import start, train
 from torchrun_ddp.methods.local_update_memory import memory_rows
 from torchrun_ddp.optim import (

@@ -32,7 +32,7 @@ from tiny_models import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from torchrun_ddp.build import Trainer, prepare_inputs
+from torchrun_ddp.build import Trainer
 from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
 from torchrun_ddp.compression import (
     CompressionState,
@@ -44,6 +44,7 @@ from torchrun_ddp.compression.wire import diloco_payload_bytes
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import dry_run
+from torchrun_ddp.inputs import prepare_inputs
 from torchrun_ddp.main import start
 from torchrun_ddp.methods.local_update_memory import memory_rows
 from torchrun_ddp.optim import (

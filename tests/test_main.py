@@ -9,10 +9,10 @@ import torch
 from distributed_harness import run_distributed
 from tiny_models import tiny_llama_config
 
-from torchrun_ddp.build import check_node_layout
 from torchrun_ddp.compression import CompressionSettings, register_compression
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.inputs import check_node_layout
 from torchrun_ddp.main import forward_backward
 from torchrun_ddp.model import build_model, wrap_ddp
 from torchrun_ddp.optim import build_optimizer

@@ -1,5 +1,5 @@
 """A run that would train nothing fails in one line: refused at start-up where the data files
-can be counted (build.check_enough_tokens), stopped before the first step where they cannot
+can be counted (inputs.check_enough_tokens), stopped before the first step where they cannot
 (main.train). A resume at the end of the data still succeeds: test_end_to_end.py."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 from distributed_harness import REPO, tiny_args, torchrun
 from transformers import PreTrainedTokenizerBase
 
-from torchrun_ddp.build import check_enough_tokens, warn_long_warmup
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.inputs import check_enough_tokens, warn_long_warmup
 from torchrun_ddp.training_data import (
     FULL_CHECK_BYTES,
     count_tokens,

@@ -15,12 +15,13 @@ import torch
 from distributed_harness import run_distributed
 from tiny_models import tiny_llama_config
 
-from torchrun_ddp.build import Inputs, build_eval_set
+from torchrun_ddp.build import build_eval_set
 from torchrun_ddp.checkpoint import StartFlags, agree_on_start, single_layout
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.evaluation import evaluate
+from torchrun_ddp.inputs import Inputs
 from torchrun_ddp.main import rebuild_problem
 from torchrun_ddp.metrics import check_records
 from torchrun_ddp.model import build_model, wrap_ddp

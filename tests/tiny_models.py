@@ -12,9 +12,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig
 
-from torchrun_ddp.build import prepare_inputs
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.inputs import prepare_inputs
 from torchrun_ddp.main import Trainer, start, train
 from torchrun_ddp.training_state import save_final_model
 

@@ -26,17 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from torchrun_ddp.build import (
-    Inputs,
-    Trainer,
-    build_trainer,
-    check_dry_run_inputs,
-    checkpoint_root,
-    checkpoint_storage,
-    prepare_inputs,
-    record_data_error,
-    train_timeout_s,
-)
+from torchrun_ddp.build import Trainer, build_trainer, checkpoint_storage, train_timeout_s
 from torchrun_ddp.checkpoint import StartFlags, agree_on_start, record_run_id
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_io import save_config
@@ -54,6 +44,13 @@ from torchrun_ddp.dry_run import dry_run, plan_model_config
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point, perturbation
+from torchrun_ddp.inputs import (
+    Inputs,
+    check_dry_run_inputs,
+    checkpoint_root,
+    prepare_inputs,
+    record_data_error,
+)
 from torchrun_ddp.metrics import any_rank, check_records, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context, causal_lm_inputs
 from torchrun_ddp.parallelize import clip_grad_norm, no_gradient_sync

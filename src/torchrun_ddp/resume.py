@@ -19,7 +19,7 @@ from typing import cast
 
 import torch
 
-from torchrun_ddp.build import Trainer, tokens_per_step
+from torchrun_ddp.build import Trainer
 from torchrun_ddp.checkpoint import (
     StartPlan,
     check_compatible,
@@ -35,6 +35,7 @@ from torchrun_ddp.config_checks import global_batch_accumulation
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import perturbation
+from torchrun_ddp.inputs import tokens_per_step
 from torchrun_ddp.methods import method_for
 from torchrun_ddp.parallelize import mesh_shape, replica_groups
 from torchrun_ddp.training_data import data_position

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from torchrun_ddp.build import Trainer, checkpoint_root, train_timeout_s
+from torchrun_ddp.build import Trainer, train_timeout_s
 from torchrun_ddp.checkpoint import (
     ModelAndOptimizer,
     ShardedOptimizer,
@@ -26,6 +26,7 @@ from torchrun_ddp.checkpoint import (
     save_checkpoint,
 )
 from torchrun_ddp.distributed import collective_timeout
+from torchrun_ddp.inputs import checkpoint_root
 from torchrun_ddp.model import export_final_model, lora_settings
 from torchrun_ddp.parallelize import full_state_dict, is_sharded, unwrap
 from torchrun_ddp.training_data import DATA_ORDER
