@@ -108,10 +108,12 @@ class LookaheadBatches:
             counts[index] = sum(self.count_tokens(batch) for batch in batches)
         return counts
 
-    def set_global_tokens(self, counts: torch.Tensor) -> None:
+    def set_global_tokens(self, counts: torch.Tensor | None) -> None:
         """The trained tokens over all ranks of the next held steps (``local_tokens`` summed
-        over ranks), handed out one per :meth:`next_step` as ``step_tokens``."""
-        self.global_tokens = deque(counts.unbind())
+        over ranks), handed out one per :meth:`next_step` as ``step_tokens``; None (no
+        ``count_tokens``) changes nothing."""
+        if counts is not None:
+            self.global_tokens = deque(counts.unbind())
 
     def pop_data_time(self) -> float:
         """Seconds spent reading since the last call."""

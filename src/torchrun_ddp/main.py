@@ -51,7 +51,7 @@ from torchrun_ddp.inputs import (
     prepare_inputs,
     record_data_error,
 )
-from torchrun_ddp.metrics import any_rank, check_records, progress_bar, restart_records
+from torchrun_ddp.metrics import any_rank, check_loss, check_records, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context, causal_lm_inputs
 from torchrun_ddp.parallelize import clip_grad_norm, no_gradient_sync
 from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
@@ -206,13 +206,11 @@ def check_in(
     tokens = trainer.data.local_tokens(int(ahead))  # summed over ranks in the same all-reduce
     if trainer.window.steps == 0:  # before the first step: nothing to log yet
         data_ends, stopping = any_rank(flags, trainer.device, tokens)
-        if tokens is not None:
-            trainer.data.set_global_tokens(tokens)
+        trainer.data.set_global_tokens(tokens)
         return data_ends, stopping
     lr = float(trainer.scheduler.get_last_lr()[0])
     record, (data_ends, stopping) = trainer.window.flush(step, lr, flags, tokens)
-    if tokens is not None:
-        trainer.data.set_global_tokens(tokens)
+    trainer.data.set_global_tokens(tokens)
     check_loss(float(record["loss"]), step, trainer.config.max_loss)
     if skipped := bad_record_count(trainer.data.trained_position):
         record["bad_records"] = skipped
@@ -220,22 +218,6 @@ def check_in(
     if progress is not None:
         progress.set_postfix(loss=round(record["loss"], 3), tok_s=int(record["tokens_per_s"]))
     return data_ends, stopping
-
-
-def check_loss(loss: float, step: int, max_loss: float) -> None:
-    """Stop a run whose loss exploded: the log step's loss (averaged over ranks, the same on
-    every rank) is NaN or infinite, or above ``max_loss`` (> 0). Called before that step's
-    checkpoint, so none is saved over the last good one, and no final model is exported.
-
-    Raises UserError (every rank alike) with one line."""
-    if math.isfinite(loss) and not 0 < max_loss < loss:
-        return
-    bound = "not finite" if not math.isfinite(loss) else f"above --max-loss {max_loss:g}"
-    raise UserError(
-        f"the training loss is {loss:g} at step {step} ({bound}): stopped without a checkpoint "
-        "or final_model; resume the last good checkpoint with a lower --learning-rate or more "
-        "--warmup-steps"
-    )
 
 
 def forward_backward(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -462,4 +463,20 @@ def progress_bar(initial: int, total: float, main_rank: bool) -> tqdm:
         disable=not (main_rank and sys.stderr.isatty()),
         unit="step",
         dynamic_ncols=True,
+    )
+
+
+def check_loss(loss: float, step: int, max_loss: float) -> None:
+    """Stop a run whose loss exploded: the log step's loss (averaged over ranks, the same on
+    every rank) is NaN or infinite, or above ``max_loss`` (> 0). Called before that step's
+    checkpoint, so none is saved over the last good one, and no final model is exported.
+
+    Raises UserError (every rank alike) with one line."""
+    if math.isfinite(loss) and not 0 < max_loss < loss:
+        return
+    bound = "not finite" if not math.isfinite(loss) else f"above --max-loss {max_loss:g}"
+    raise UserError(
+        f"the training loss is {loss:g} at step {step} ({bound}): stopped without a checkpoint "
+        "or final_model; resume the last good checkpoint with a lower --learning-rate or more "
+        "--warmup-steps"
     )

@@ -1,5 +1,9 @@
 """Dry-run memory and FLOP plan for DDP training of a causal LM: bytes per rank, before a run.
 
+One concern in about 600 lines, kept whole on purpose: every row (weights, gradients, optimizer,
+activations, LoRA, FSDP shards) feeds the same four-moment peak below, and a row read apart from
+that peak would invite the sum-of-rows mistake the plan exists to avoid.
+
 Everything here is byte arithmetic over the architecture (``architecture.Architecture``, read
 from the model config; parameters counted on a meta-device model). The plan is an estimate, not
 a measurement:
