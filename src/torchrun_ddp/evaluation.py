@@ -15,6 +15,7 @@ from torchrun_ddp.build import Trainer
 from torchrun_ddp.choice_scoring import accuracy_stderr, choice_loglikelihoods, picks
 from torchrun_ddp.metrics import Record
 from torchrun_ddp.model import autocast_context, causal_lm_inputs, trained_tokens
+from torchrun_ddp.parallelize import unwrap
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -52,7 +53,7 @@ def multiple_choice_counts(trainer: Trainer) -> torch.Tensor:
     counts = torch.zeros(3, dtype=torch.float64)
     if not trainer.questions:
         return counts
-    module = trainer.model.module  # DDP only: --eval-multiple-choice is refused under FSDP
+    module = unwrap(trainer.model)  # DDP's module (--eval-multiple-choice is refused under FSDP)
     for question in trainer.questions:
         with autocast_context(trainer.config.precision, trainer.device):
             scores = choice_loglikelihoods(
