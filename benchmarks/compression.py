@@ -134,6 +134,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="",
         help="comma list: DiLoCo/SparseLoCo inner AdamW lr grid (default: the AdamW grid)",
     )
+    add(
+        "--method-lrs",
+        default="",
+        help="comma list of METHOD=LR: run METHOD at this one peak lr instead of its grid "
+        "(e.g. none=7.5e-4,dct-0.25-bf16=1.5e-3 to add seeds at rates tuned earlier)",
+    )
+    add(
+        "--bound",
+        type=float,
+        default=1.0,
+        help="the claim checked for the 'seeds needed' column: paired change <= +BOUND%%",
+    )
     add("--epochs", type=int, default=1, help="passes over the training data a run may make")
     add("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end)")
     add("--min-lr-ratio", type=float, default=1 / 30, help="final lr as a fraction of the peak")
@@ -174,8 +186,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def method_lrs(text: str) -> dict[str, float]:
+    """``--method-lrs``: ``"none=7.5e-4,dct-0.25-bf16=1.5e-3"`` -> method name -> peak lr.
+
+    Raises SystemExit with a one-line message on an entry that is not ``METHOD=LR``."""
+    rates = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = entry.partition("=")
+        try:
+            rates[name.strip()] = float(value)
+        except ValueError:
+            sys.exit(f"error: --method-lrs entry {entry!r} is not METHOD=LR (e.g. none=7.5e-4)")
+    return rates
+
+
 def learning_rates(args: argparse.Namespace, variant: Variant) -> list[float]:
-    """The learning-rate grid of the variant's optimizer."""
+    """The learning-rate grid of the variant's optimizer, or the one rate ``--method-lrs``
+    gives the variant."""
+    fixed = method_lrs(args.method_lrs)
+    if variant.name in fixed:
+        return [fixed[variant.name]]
     optimizer = optimizer_of(variant)
     text = args.adamw_lrs or str(args.learning_rate)
     if optimizer == "demo":
@@ -317,6 +347,24 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
+def seeds_needed(changes: list[float], bound: float) -> str:
+    """How many seeds the claim "paired change <= ``bound`` %" needs to be resolved (mean + 2 SE
+    <= bound), if the per-seed changes keep the mean and standard deviation of ``changes``:
+    the smallest n with ``mean + 2 sd / sqrt(n) <= bound``. "-" with fewer than 2 seeds, "none"
+    when the mean itself is above the bound (no number of seeds resolves it)."""
+    if len(changes) < 2:
+        return "-"
+    mean, sd = statistics.fmean(changes), statistics.stdev(changes)
+    if mean >= bound:
+        return "none (mean above)"
+    return str(max(2, math.ceil((2.0 * sd / (bound - mean)) ** 2)))
+
+
+def sd_cell(changes: list[float]) -> str:
+    """Seed-to-seed standard deviation of the paired change, in percentage points."""
+    return f"{statistics.stdev(changes):.2f}" if len(changes) > 1 else "-"
+
+
 def paired_change(setting: Setting, reference: Setting | None) -> list[float]:
     """Per seed both have: ``100 (L / L_reference - 1)``, in percent."""
     if reference is None:
@@ -345,12 +393,14 @@ def pm(mean: float, se: float, digits: int, unit: str = "") -> str:
     return text if math.isnan(se) else f"{text} +- {se:.{digits}f}{unit}"
 
 
-def grid_table(settings: list[Setting], reference: Setting | None) -> str:
-    """Every method x learning rate: held-out loss and paired change, mean +- SE."""
+def grid_table(settings: list[Setting], reference: Setting | None, bound: float) -> str:
+    """Every method x learning rate: held-out loss and paired change, mean +- SE, its standard
+    deviation over seeds and the seeds a claim of <= ``bound`` % would need."""
     rows = []
     for setting in settings:
         loss = mean_se(list(setting.seed_losses().values()))
-        change = mean_se(paired_change(setting, reference))
+        changes = paired_change(setting, reference)
+        change = mean_se(changes)
         tails = [statistics.fmean(run.losses[-LOSS_TAIL:]) for run in setting.all_runs()]
         rows.append(
             [
@@ -360,10 +410,13 @@ def grid_table(settings: list[Setting], reference: Setting | None) -> str:
                 f"{statistics.fmean(tails):.4f}",
                 pm(*loss, 4),
                 pm(*change, 2, "%"),
+                sd_cell(changes),
+                seeds_needed(changes, bound),
             ]
         )
     header = ["method", "peak lr", "seeds", "train loss", "eval loss (mean +- SE)"]
-    header += ["vs dense AdamW, paired (mean +- SE)"]
+    header += ["vs dense AdamW, paired (mean +- SE)", "SD of paired change (points)"]
+    header += [f"seeds to resolve <= +{bound:g}%"]
     return markdown_table(header, rows)
 
 
@@ -378,6 +431,8 @@ class Point:
     """Dense fp32 ring all-reduce bytes / the method's, by world size."""
     step_time: float
     change: tuple[float, float]
+    changes: tuple[float, ...] = ()
+    """Paired change per seed, in percent (the seeds both this method and dense AdamW have)."""
     to_target: float = math.nan
     """Steps until the mean held-out curve reaches dense AdamW's final held-out loss (linear
     between evaluations; inf: never in the run)."""
@@ -406,6 +461,7 @@ def frontier(
                 ratio={w: ring_ratio(last, variant, args.nproc, w) for w in FRONTIER_WORLDS},
                 step_time=median_after(times, 0),
                 change=mean_se(paired_change(setting, reference)),
+                changes=tuple(paired_change(setting, reference)),
                 to_target=steps_to(mean_curve(setting), target),
             )
         )
@@ -429,8 +485,9 @@ def _bytes_cell(value: float) -> str:
     return f"{value:.3g} B" if value < 1000 else human_bytes(value)
 
 
-def frontier_table(points: list[Point], tokens: int) -> str:
-    """The frontier as a Markdown table (``tokens``: trained per rank per step)."""
+def frontier_table(points: list[Point], tokens: int, bound: float) -> str:
+    """The frontier as a Markdown table (``tokens``: trained per rank per step; ``bound``: the
+    claim, in percent, whose seeds needed are shown next to the paired change)."""
     rows = []
     for point in points:
         losses = list(point.setting.seed_losses().values())
@@ -440,6 +497,7 @@ def frontier_table(points: list[Point], tokens: int) -> str:
             row += [_bytes_cell(point.per_token[world])]
             row += ["-" if math.isnan(ratio) else f"{ratio:.3g}x"]
         row += [f"{point.step_time:.2f}", pm(*mean_se(losses), 4), pm(*point.change, 2, "%")]
+        row += [sd_cell(list(point.changes)), seeds_needed(list(point.changes), bound)]
         row += [_steps_cell(point.to_target)]
         row += [_bytes_cell(point.per_token[w] * tokens * point.to_target) for w in FRONTIER_WORLDS]
         rows.append(row)
@@ -447,6 +505,7 @@ def frontier_table(points: list[Point], tokens: int) -> str:
     for world in FRONTIER_WORLDS:
         header += [f"wire bytes/token W={world}", f"ratio W={world}"]
     header += ["step s (median)", "eval loss (mean +- SE)", "vs dense AdamW, paired"]
+    header += ["SD (points)", f"seeds to resolve <= +{bound:g}%"]
     header += ["steps to dense's loss"]
     header += [f"bytes a rank sends until then, W={world}" for world in FRONTIER_WORLDS]
     return markdown_table(header, rows)
@@ -557,13 +616,14 @@ def footnote(args: argparse.Namespace) -> str:
     if args.tune_seed >= 0:
         seeds += f" (learning rates tuned at seed {args.tune_seed}, which the frontier leaves out)"
     eval_tokens = args.nproc * args.eval_batches * args.batch_size * args.seq_length
+    fixed = f", fixed rates {args.method_lrs}" if args.method_lrs else ""
     return (
         f"Model {model}, {args.nproc} ranks (gloo, loopback, CPU), {args.steps} steps of "
         f"{args.nproc} x {args.batch_size} x {args.seq_length} tokens, seeds {seeds} (model "
         f"init and data order), peak lr grids AdamW {args.adamw_lrs or args.learning_rate}, "
         f"DeMo {args.demo_lrs}, DiLoCo/SparseLoCo inner AdamW "
         f"{args.local_lrs or args.adamw_lrs or args.learning_rate} (outer steps at the papers' "
-        f"defaults), up to {args.epochs} epoch(s) of the training file "
+        f"defaults){fixed}, up to {args.epochs} epoch(s) of the training file "
         f"(warmup {args.warmup_steps}, cosine to {args.min_lr_ratio:.3g} x "
         f"peak at the last step), weight decay 0.1 (decoupled, matrices only), error feedback "
         f"{feedback}, compression from step {args.compression_start_step}, {args.repeats} "
@@ -572,7 +632,10 @@ def footnote(args: argparse.Namespace) -> str:
         f"{args.eval_batches} x {args.batch_size} windows of {args.seq_length}) of the C4 "
         "validation sample after the last step; the same windows for every run. Paired change: "
         "per seed 100 (L / L_dense - 1) against dense AdamW (`none`) at its best lr, then mean "
-        "+- standard error over seeds. Best lr: lowest mean eval loss over the same seeds, "
+        "+- standard error over seeds; SD: the standard deviation of the per-seed changes; "
+        f"seeds to resolve <= +{args.bound:g}%: the smallest n with mean + 2 SD / sqrt(n) <= "
+        "the bound at this mean and SD (none: the mean is above it). Best lr: lowest mean eval "
+        "loss over the same seeds, "
         "or at the tuning seed with --tune-seed (every optimizer gets the same number of grid "
         "points). Wire bytes per token: what a rank sends per step under the ring model "
         "(all-reduce of S bytes: 2 (W - 1) / W x S; all-gather of p bytes: (W - 1) x p), from "
@@ -663,11 +726,16 @@ def report(args: argparse.Namespace, settings: list[Setting]) -> tuple[str, list
         title = f"Grid at the tuning seed {args.tune_seed} (every method at every learning rate):"
     reference = dense_reference(chosen)
     points = frontier(args, chosen, reference)
-    text = f"{title}\n\n" + grid_table(grid, dense_reference(grid))
+    text = f"{title}\n\n" + grid_table(grid, dense_reference(grid), args.bound)
     text += "\n\nFrontier (each method at its best learning rate):\n\n"
     tokens = args.batch_size * args.seq_length
     text += (
-        frontier_table(points, tokens) + "\n\n" + footnote(args) + "\n" + epochs_line(args) + "\n"
+        frontier_table(points, tokens, args.bound)
+        + "\n\n"
+        + footnote(args)
+        + "\n"
+        + epochs_line(args)
+        + "\n"
     )
     curves = curve_table(points)
     if curves:

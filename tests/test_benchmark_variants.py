@@ -4,6 +4,8 @@ that variant after the runs before it."""
 
 from __future__ import annotations
 
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from torchrun_ddp.config_io import parse_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from common import Variant, all_variants, optimizer_of
+from compression import learning_rates, method_lrs, parse_args, sd_cell, seeds_needed
 
 VARIANTS = all_variants()
 
@@ -33,3 +36,21 @@ def test_the_lever_variants_change_only_their_own_setting() -> None:
     assert (outer.outer_lr, outer.sparseloco_beta) == (1.5, base.sparseloco_beta)
     assert (decay.sparseloco_beta, decay.outer_lr) == (0.999, base.outer_lr)
     assert (wide.local_steps, wide.sparseloco_topk) == (100, 256)
+
+
+def test_seeds_needed_follows_mean_plus_two_standard_errors() -> None:
+    changes = [2.0, 0.16, 0.5, -0.2]  # mean 0.615, sd about 0.97 (issue 46's kind of spread)
+    needed = int(seeds_needed(changes, 1.0))
+    mean, sd = 0.615, statistics.stdev(changes)
+    assert mean + 2 * sd / math.sqrt(needed) <= 1.0 < mean + 2 * sd / math.sqrt(needed - 1)
+    assert sd_cell(changes) == f"{sd:.2f}"
+    assert seeds_needed([1.2, 1.5], 1.0) == "none (mean above)"
+    assert seeds_needed([0.1], 1.0) == "-"
+
+
+def test_method_lrs_fix_one_rate_per_method() -> None:
+    args = parse_args(["--adamw-lrs", "1e-3,3e-3", "--method-lrs", "dct-0.25-bf16=1.5e-3"])
+    assert learning_rates(args, VARIANTS["dct-0.25-bf16"]) == [1.5e-3]
+    assert learning_rates(args, VARIANTS["none"]) == [1e-3, 3e-3]
+    with pytest.raises(SystemExit, match="not METHOD=LR"):
+        method_lrs("none:7.5e-4")
