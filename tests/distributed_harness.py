@@ -187,6 +187,9 @@ def _worker(
     # is forked, as under torchrun (through the fork server it would pickle the whole dataset
     # and tokenizer: about 5 s per loader on 4 ranks).
     multiprocessing.set_start_method("fork", force=True)
+    # As train.py under torchrun: the cores shared by the ranks (OMP_NUM_THREADS above comes too
+    # late for torch, which the fork server imported; 2 threads per rank oversubscribed 2 cores).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -65,6 +65,8 @@ def train_in_group(
         rank=rank, world_size=world_size, local_rank=rank % per_node, local_world_size=per_node
     )
     inputs = prepare_inputs(config, env)
+    if config.threads:  # as main.run does (the harness already set cores / world size)
+        torch.set_num_threads(config.threads)
     trainer = start(config, env, torch.device("cpu"), inputs)
     if train(trainer) and export:
         save_final_model(trainer)
