@@ -399,8 +399,8 @@ def grid_table(settings: list[Setting], reference: Setting | None, bound: float)
     rows = []
     for setting in settings:
         loss = mean_se(list(setting.seed_losses().values()))
-        changes = paired_change(setting, reference)
-        change = mean_se(changes)
+        changes = [] if setting is reference else paired_change(setting, reference)
+        change = mean_se(paired_change(setting, reference))
         tails = [statistics.fmean(run.losses[-LOSS_TAIL:]) for run in setting.all_runs()]
         rows.append(
             [
@@ -461,7 +461,7 @@ def frontier(
                 ratio={w: ring_ratio(last, variant, args.nproc, w) for w in FRONTIER_WORLDS},
                 step_time=median_after(times, 0),
                 change=mean_se(paired_change(setting, reference)),
-                changes=tuple(paired_change(setting, reference)),
+                changes=() if setting is reference else tuple(paired_change(setting, reference)),
                 to_target=steps_to(mean_curve(setting), target),
             )
         )
