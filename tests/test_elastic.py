@@ -144,13 +144,15 @@ def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) ->
             if proc.poll() is None:
                 _kill_tree(proc)
     log_a = text_a()
+    # After the join either agent may host rank 0, which alone logs the resume: read both logs.
+    both = log_a + logs[2].read_text()
     assert "world size 2 -> 1: tokens per step 128 -> 128" in log_a, log_a[-4000:]
-    assert "world size 1 -> 2: tokens per step 128 -> 128" in log_a, log_a[-4000:]
-    assert "accumulation 2" in log_a and "accumulation 1" in log_a
+    assert "world size 1 -> 2: tokens per step 128 -> 128" in both, both[-4000:]
+    assert "accumulation 2" in log_a and "accumulation 1" in both
     losses = logged_losses(tmp_path)
     assert sorted(losses) == list(range(1, STEPS + 1))
-    resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log_a)]
-    assert len(resumed) == 2, log_a[-4000:]  # one after the kill, one after the join
+    resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", both)]
+    assert len(resumed) == 2, both[-4000:]  # one after the kill, one after the join
     for step in resumed:
         assert losses[step + 1] < losses[1] - 0.5, (step, losses)  # not an untrained model
         assert abs(losses[step + 1] - losses[step]) < 1.0, (step, losses)
