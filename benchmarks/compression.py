@@ -136,6 +136,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     add(
         "--method-lrs",
+        type=method_lrs,
         default="",
         help="comma list of METHOD=LR: run METHOD at this one peak lr instead of its grid "
         "(e.g. none=7.5e-4,dct-0.25-bf16=1.5e-3 to add seeds at rates tuned earlier)",
@@ -203,9 +204,8 @@ def method_lrs(text: str) -> dict[str, float]:
 def learning_rates(args: argparse.Namespace, variant: Variant) -> list[float]:
     """The learning-rate grid of the variant's optimizer, or the one rate ``--method-lrs``
     gives the variant."""
-    fixed = method_lrs(args.method_lrs)
-    if variant.name in fixed:
-        return [fixed[variant.name]]
+    if variant.name in args.method_lrs:
+        return [args.method_lrs[variant.name]]
     optimizer = optimizer_of(variant)
     text = args.adamw_lrs or str(args.learning_rate)
     if optimizer == "demo":
@@ -399,8 +399,9 @@ def grid_table(settings: list[Setting], reference: Setting | None, bound: float)
     rows = []
     for setting in settings:
         loss = mean_se(list(setting.seed_losses().values()))
-        changes = [] if setting is reference else paired_change(setting, reference)
-        change = mean_se(paired_change(setting, reference))
+        paired = paired_change(setting, reference)
+        changes = [] if setting is reference else paired
+        change = mean_se(paired)
         tails = [statistics.fmean(run.losses[-LOSS_TAIL:]) for run in setting.all_runs()]
         rows.append(
             [
@@ -453,15 +454,15 @@ def frontier(
     for setting in chosen:
         last = setting.all_runs()[-1]
         times = [t for run in setting.all_runs() for t in run.step_times[WARMUP_SKIP:]]
-        variant = setting.variant
+        variant, paired = setting.variant, paired_change(setting, reference)
         points.append(
             Point(
                 setting=setting,
                 per_token={w: wire_at(last, variant, w) / tokens for w in FRONTIER_WORLDS},
                 ratio={w: ring_ratio(last, variant, args.nproc, w) for w in FRONTIER_WORLDS},
                 step_time=median_after(times, 0),
-                change=mean_se(paired_change(setting, reference)),
-                changes=() if setting is reference else tuple(paired_change(setting, reference)),
+                change=mean_se(paired),
+                changes=() if setting is reference else tuple(paired),
                 to_target=steps_to(mean_curve(setting), target),
             )
         )
@@ -616,7 +617,8 @@ def footnote(args: argparse.Namespace) -> str:
     if args.tune_seed >= 0:
         seeds += f" (learning rates tuned at seed {args.tune_seed}, which the frontier leaves out)"
     eval_tokens = args.nproc * args.eval_batches * args.batch_size * args.seq_length
-    fixed = f", fixed rates {args.method_lrs}" if args.method_lrs else ""
+    rates = ",".join(f"{name}={lr:g}" for name, lr in args.method_lrs.items())
+    fixed = f", fixed rates {rates}" if rates else ""
     return (
         f"Model {model}, {args.nproc} ranks (gloo, loopback, CPU), {args.steps} steps of "
         f"{args.nproc} x {args.batch_size} x {args.seq_length} tokens, seeds {seeds} (model "
