@@ -125,6 +125,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--data-dir", type=Path, default=SHARED_DATA, help="the offline C4 sample and tokenizer")
     add("--model", type=Path, default=TINY_MODEL, help="config.json of the model (random init)")
     add("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per process")
+    add(
+        "--epochs",
+        type=int,
+        default=1,
+        help="passes over the data (the bundled sample is 328k tokens)",
+    )
     add("--keep", type=Path, default=None, help="keep the run folders here")
     return parser.parse_args(argv)
 
@@ -152,7 +158,8 @@ def run_setting(args: argparse.Namespace, setting: Setting, run_dir: Path) -> li
     command += ["--device", "cuda", "--backend", "nccl"] if args.device == "cuda" else []
     command += ["--output-dir", str(run_dir), "--no-resume", "--checkpoint-every", "0"]
     command += ["--overwrite-output-dir"]  # reruns replace the old run
-    command += ["--max-steps", str(args.steps), "--log-every", "1", "--eval-every", "0"]
+    command += ["--max-steps", str(args.steps), "--epochs", str(args.epochs)]
+    command += ["--log-every", "1", "--eval-every", "0"]
     command += ["--eval-batches", "1", "--seq-length", str(args.seq_length)]
     command += ["--batch-size", str(per_rank), *setting.flags()]
     env = train_env({"OMP_NUM_THREADS": str(setting.threads)})

@@ -19,9 +19,14 @@ pytestmark = [
 ]
 
 
-def test_tiny_config_trains_with_nccl_and_bf16(sample_data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_tiny_config_trains_with_nccl_and_bf16(
+    data_parallel: str, sample_data: Path, tmp_path: Path
+) -> None:
+    """DDP and FSDP2 (``--data-parallel``) train on NCCL in bf16-mixed: finite, falling loss."""
     nproc = min(2, torch.cuda.device_count())
     extra = ("--device", "cuda", "--backend", "nccl", "--precision", "bf16-mixed")
+    extra += ("--data-parallel", data_parallel)
     result = torchrun(e2e_args(sample_data, tmp_path, *extra, "--max-steps", "20"), nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
