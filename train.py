@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import traceback
 
 from dotenv import load_dotenv
 
@@ -61,5 +62,19 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
+def run_and_exit(argv: list[str]) -> None:
+    """``main``, then ``exit_now`` with its status, also after an uncaught exception (a peer's
+    death seen in a collective, say): its traceback is printed as the interpreter would and the
+    status is 1, as the interpreter's, but the survivor exits at once instead of after seconds
+    of teardown, which torchrun waits for before each restart. ``SystemExit`` (``--help``, an
+    unknown flag) keeps its status."""
+    try:
+        status = main(argv)
+    except Exception:
+        traceback.print_exc()
+        status = 1
+    exit_now(status)
+
+
 if __name__ == "__main__":
-    exit_now(main(sys.argv[1:]))
+    run_and_exit(sys.argv[1:])

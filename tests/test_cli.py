@@ -266,3 +266,25 @@ def test_dry_run_prints_steps_tokens_epochs_and_time(
     assert lines["100"].startswith(expected), lines["100"]
     slow, fast = (float(lines[key].split("compute ")[1].split()[0]) for key in ("100", "200"))
     assert slow == pytest.approx(2 * fast, rel=0.01)
+
+
+def test_an_uncaught_error_prints_its_traceback_and_exits_1_at_once() -> None:
+    """train.py's exit after an exception (a dead peer seen in a collective, say): the
+    traceback as the interpreter prints it, status 1, and no interpreter teardown (``os._exit``:
+    an ``atexit`` hook registered before does not run)."""
+    code = (
+        "import atexit, sys, train\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "def fail(argv): raise RuntimeError('Connection reset by peer')\n"
+        "train.main = fail\n"
+        "train.run_and_exit(sys.argv[1:])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert (
+        "Traceback" in result.stderr and "RuntimeError: Connection reset by peer" in result.stderr
+    )
+    assert "teardown ran" not in result.stdout
