@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
+from types import TracebackType
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -72,6 +74,35 @@ def train_in_group(
         save_final_model(trainer)
     trainer.metrics.close()
     return trainer
+
+
+class LogLines(logging.Handler):
+    """The messages of the ``torchrun_ddp`` logger, every level from INFO, while installed::
+
+    with LogLines() as log:
+        train_in_group(...)
+    assert "resumed from" in "\n".join(log.lines)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.logger = logging.getLogger("torchrun_ddp")
+        self.level_before = self.logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> LogLines:
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
 
 
 def evaluations(output_dir: Path) -> dict[int, float]:
