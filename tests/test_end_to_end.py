@@ -1,4 +1,5 @@
-"""torchrun with 2 processes trains the tiny LLaMA on the shared C4 sample, end to end."""
+"""torchrun with 2 processes trains the tiny LLaMA on the shared C4 sample, end to end; the stop at
+the end of uneven data runs on spawned ranks."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import REPO, metrics_records, subprocess_env, tiny_args, torchrun
+from distributed_harness import (
+    REPO,
+    metrics_records,
+    run_distributed,
+    subprocess_env,
+    tiny_args,
+    torchrun,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tiny_models import LogLines, train_in_group
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrun_ddp import plot
@@ -103,37 +112,58 @@ def test_plot_writes_a_png(tiny_run: Path, tmp_path: Path) -> None:
     assert plot.main([str(tmp_path / "missing")]) == 2
 
 
+def _uneven_args(sample_data: Path, data: Path, output: Path, log_every: int) -> list[str]:
+    """The hidden-64 LLaMA on ``data`` (both splits) until the data ends, 1 x 16 tokens a rank."""
+    return tiny_args(
+        sample_data, output,
+        "--data-files", str(data), "--eval-files", str(data), "--max-steps", "-1",
+        "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
+        "--seq-length", "16", "--batch-size", "1", "--shuffle-buffer", "0",
+        "--log-every", str(log_every), "--eval-batches", "1",
+    )  # fmt: skip
+
+
+def _uneven_worker(rank: int, world_size: int, sample: str, data: str, root: str) -> dict[str, str]:
+    """Logging every step and every 3 steps, then the second run started again: each run's
+    log lines (one spawn)."""
+    out = {}
+    for name, log_every in (("1", 1), ("3", 3), ("again", 3)):
+        output = Path(root) / f"log-every-{log_every}"
+        with LogLines() as log:
+            train_in_group(
+                rank, world_size, _uneven_args(Path(sample), Path(data), output, log_every)
+            )
+        out[name] = "\n".join(log.lines)
+    return out
+
+
 def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_path: Path) -> None:
     """Rank 0 gets 4 documents and rank 1 gets 3 (every other line): with --max-steps -1 both
     stop together, instead of waiting forever. Logging every step, they stop on the step where
     the first of them runs out; logging every 3 steps (ranks agree on log steps only, having
     read ahead to the next one), on the last log step before it. Started again, the second run
-    resumes at the end of its data and exits 0: nothing left to train is success."""
+    resumes at the end of its data and returns: nothing left to train is success (train.py's
+    status for it is 0: tests/test_faults.py's resumed runs end the same way). Spawned ranks,
+    not torchrun: the stop is the loop's, not the launcher's."""
     texts = [" ".join(["word"] * (40 + 10 * i)) for i in range(7)]
     data = tmp_path / "uneven.json.gz"
     with gzip.open(data, "wt", encoding="utf-8") as handle:
         handle.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    logs = run_distributed(_uneven_worker, 2, str(sample_data), str(data), str(tmp_path))[0]
     last_steps = {}
     for log_every in (1, 3):
-        output = tmp_path / f"log-every-{log_every}"
-        args = tiny_args(
-            sample_data, output,
-            "--data-files", str(data), "--eval-files", str(data), "--max-steps", "-1",
-            "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
-            "--seq-length", "16", "--batch-size", "1", "--shuffle-buffer", "0",
-            "--log-every", str(log_every), "--eval-batches", "1",
-        )  # fmt: skip
-        result = torchrun(args)
-        assert result.returncode == 0, result.stderr[-3000:]
-        steps = [r["step"] for r in metrics_records(output) if "loss" in r]
-        assert "end of training data after" in result.stderr + result.stdout
+        steps = [
+            r["step"] for r in metrics_records(tmp_path / f"log-every-{log_every}") if "loss" in r
+        ]
+        assert "end of training data after" in logs[str(log_every)]
         assert steps == list(range(log_every, steps[-1] + 1, log_every))
         last_steps[log_every] = steps[-1]
     assert last_steps[3] == last_steps[1] // 3 * 3 > 0
-    again = torchrun(args)  # resumed at the end of its data: nothing left to train is success
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"end of training data after {last_steps[3]} steps" in again.stderr
-    assert f"at step {last_steps[3]}" in again.stderr and (output / "final_model").is_dir()
+    again = logs["again"]
+    assert f"end of training data after {last_steps[3]} steps" in again, again
+    assert (
+        f"at step {last_steps[3]}" in again and (tmp_path / "log-every-3" / "final_model").is_dir()
+    )
 
 
 def test_without_torchrun_trains_as_one_process(sample_data: Path, tmp_path: Path) -> None:
