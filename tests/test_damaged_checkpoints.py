@@ -5,7 +5,7 @@ previous one, or a peer's intact copy, and end bit-identical to an uninterrupted
 intact step every rank stops with one line naming the file. Flipped bytes, a truncated file, an
 empty file, a damaged per-rank file and a damaged buddy copy are found by ``verify_step`` on real
 checkpoint folders. Replicas that differ after a resume stop every rank; a NaN loss stops the run
-(torchrun: status 2) without a checkpoint or final_model."""
+without a checkpoint or final_model."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from distributed_harness import PEAK, REPO, logged_losses, run_distributed, tiny_args, torchrun
+from distributed_harness import PEAK, REPO, logged_losses, run_distributed
 from tiny_models import digest, train_in_group
 
 from torchrun_ddp.checkpoint import MANIFEST, inventory, verify_step
@@ -24,7 +24,7 @@ from torchrun_ddp.checkpoint.manifest import UNVERIFIED
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import PERTURB_ENV
 
-pytestmark = pytest.mark.slow  # spawned 2- and 4-rank training runs, one torchrun run
+pytestmark = pytest.mark.slow  # spawned 2- and 4-rank training runs
 
 TINY_LLAMA = REPO / "configs" / "tiny-models" / "llama" / "config.json"
 
@@ -240,22 +240,26 @@ def test_a_damaged_file_in_one_node_folder_is_replaced_from_the_peer_and_ends_bi
     assert logged_losses(tmp_path / "out")[5] == logged_losses(reference / "out")[5]
 
 
-def test_a_nan_loss_stops_the_run_without_checkpoint_or_final_model(
-    sample_data: Path, tmp_path: Path
-) -> None:
-    """torchrun, 2 ranks: the loss is NaN at step 3 (test hook); the log step stops every rank
-    with status 2 and one line; step 2's checkpoint is the last one, no final_model."""
-    args = tiny_args(sample_data, tmp_path / "out", "--model", str(TINY_LLAMA))
-    args += ["--seq-length", "32", "--batch-size", "1", "--max-steps", "6", "--threads", "1"]
-    args += ["--checkpoint-every", "2", "--log-every", "1", "--eval-every", "0"]
+def _nan_worker(rank: int, world_size: int, base: str) -> str:
+    """6 steps with the loss made NaN at step 3 (test hook), final model exported if it gets
+    there: the rank's one-line stop, or "" if none."""
     os.environ[PERTURB_ENV] = "nan-loss:3"
     try:
-        done = torchrun(args)
+        train_in_group(rank, world_size, _argv(Path(base), "ckpt", 6))
+    except UserError as exc:
+        return str(exc)
     finally:
         os.environ.pop(PERTURB_ENV, None)
-    assert done.returncode != 0, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert errors and all("training loss is nan at step 3" in line for line in errors), errors
-    checkpoints = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step-*"))
+    return ""
+
+
+def test_a_nan_loss_stops_the_run_without_checkpoint_or_final_model(tmp_path: Path) -> None:
+    """2 spawned ranks: the log step of step 3 stops every rank with the same one-line error
+    (train.py: status 2, tests/test_cli.py); step 2's checkpoint is the last one, no
+    final_model."""
+    errors = run_distributed(_nan_worker, 2, str(tmp_path))
+    assert all(e.startswith("the training loss is nan at step 3") for e in errors), errors
+    checkpoints = sorted(p.name for p in (tmp_path / "ckpt").glob("step-*"))
     assert checkpoints == ["step-2"]
+    assert sorted(logged_losses(tmp_path / "out")) == [1, 2]
     assert not (tmp_path / "out" / "final_model").exists()
