@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from pathlib import Path
 
 import pytest
-from distributed_harness import REPO, tiny_args, torchrun
+from distributed_harness import REPO, run_distributed, tiny_args, torchrun
+from tiny_models import train_in_group
 from transformers import PreTrainedTokenizerBase
 
 from torchrun_ddp.config_io import parse_config
@@ -143,24 +145,43 @@ def _large_shard(path: Path, sample_data: Path) -> str:
     return str(path)
 
 
+def _deep_args(shard: str) -> list[str]:
+    """3 steps of 1 x 32 tokens a rank on ``shard``, the hidden-64 LLaMA, a record every step."""
+    base = ["--data-files", shard, "--max-steps", "3", "--seq-length", "32", "--eval-every", "0"]
+    base += ["--log-every", "1", "--checkpoint-every", "0", "--batch-size", "1"]
+    return [*base, "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json")]
+
+
+def _skipping_worker(rank: int, world_size: int, sample: str, shard: str, root: str) -> None:
+    """Train on ``shard`` within --max-bad-records 3, into ``root/ok``; the log lines of this
+    rank and of its data-loader worker (a forked process, where the records are read) go to
+    ``root/rank-<r>.log``."""
+    args = tiny_args(Path(sample), Path(root) / "ok", *_deep_args(shard), "--max-bad-records", "3")
+    handler, logger = logging.FileHandler(Path(root) / f"rank-{rank}.log"), logging.getLogger()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        train_in_group(rank, world_size, args)
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+
+
 @pytest.mark.slow
 def test_a_damaged_record_deep_in_a_large_shard_is_skipped_or_stops_in_one_line(
     sample_data: Path, tmp_path: Path
 ) -> None:
     """Within --max-bad-records the run warns (file and line), counts bad_records in its
-    metrics and finishes. Past it, every rank stops with one line, and the torchrun restart
-    stops at once with the same line instead of training into the same records again."""
+    metrics and finishes (spawned ranks). Past it, under torchrun, every rank stops with one
+    line, and the torchrun restart stops at once with the same line instead of training into
+    the same records again."""
     shard = _large_shard(tmp_path / "large.json", sample_data)
-    base = ["--data-files", shard, "--max-steps", "3", "--seq-length", "32", "--eval-every", "0"]
-    base += ["--log-every", "1", "--checkpoint-every", "0", "--batch-size", "1"]
-    base += ["--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json")]
-    ok = torchrun(tiny_args(sample_data, tmp_path / "ok", *base, "--max-bad-records", "3"))
-    assert ok.returncode == 0, ok.stderr[-3000:]
-    assert f"skipped damaged training record 1: {shard} line 5 is not JSON" in ok.stderr
+    base = _deep_args(shard)
+    run_distributed(_skipping_worker, 2, str(sample_data), shard, str(tmp_path))
+    logs = "".join((tmp_path / f"rank-{rank}.log").read_text() for rank in (0, 1))
+    assert f"skipped damaged training record 1: {shard} line 5 is not JSON" in logs, logs
     records = (tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()
-    assert json.loads(records[-1]).get("bad_records") == 3 or any(
-        json.loads(r).get("bad_records") == 3 for r in records
-    )
+    assert any(json.loads(r).get("bad_records") == 3 for r in records), records
     args = tiny_args(sample_data, tmp_path / "stop", *base, "--max-bad-records", "2")
     stop = torchrun(args, extra=("--max-restarts=1",))
     assert stop.returncode != 0
