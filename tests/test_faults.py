@@ -33,10 +33,12 @@ from distributed_harness import (
     assert_same_run,
     logged_losses,
     reference_args,
+    run_distributed,
     subprocess_env,
     torchrun_command,
     worker_pids,
 )
+from tiny_models import LogLines, train_in_group
 
 pytestmark = pytest.mark.slow  # SIGKILL and SIGTERM of torchrun workers, with restarts
 
@@ -164,12 +166,21 @@ def _mebibytes(folder: Path) -> int:
     return -(-sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) // 2**20)
 
 
+def _resume_worker(rank: int, world_size: int, args: list[str]) -> list[str]:
+    """Train ``args`` on this spawned rank (a resume, where its folder has a checkpoint): the
+    log lines."""
+    with LogLines() as log:
+        train_in_group(rank, world_size, args)
+    return log.lines
+
+
 def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint(
     sample_data: Path, tmp_path: Path, reference_run: Path
 ) -> None:
     """--checkpoint-dir on a tmpfs of 1.5 checkpoints (the reference run's, about 48 MiB):
     step-2 fits, step-4 does not. The run stops with a one-line error; step-2 stays complete;
-    with room again, the next run resumes from it and logs the reference run's losses."""
+    with room again, the next run (spawned ranks) resumes from it and logs the reference run's
+    losses."""
     one = _mebibytes(max((reference_run / "checkpoints").glob("step-*")))
     small = tmp_path / "small"
     small.mkdir()
@@ -184,9 +195,8 @@ def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint(
         assert "no space left on the device of --checkpoint-dir" in errors[0]
         assert sorted(p.parent.name for p in small.glob("step-*/COMPLETE")) == ["step-2"]
         assert _mount_tmpfs(small, f"{one * 4}m", remount=True)
-        result = _run(args)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert f"resumed from {small / 'step-2'}" in result.stderr
+        lines = run_distributed(_resume_worker, 2, args)[0]
+        assert f"resumed from {small / 'step-2'} at step 2" in lines, lines
         want = {step: loss for step, loss in logged_losses(reference_run).items() if step <= 4}
         assert logged_losses(tmp_path / "out") == want
     finally:
