@@ -88,9 +88,10 @@ def test_steps_run_only_the_gradient_all_reduce_and_log_steps_one_more(
         assert -extra == Counter(), "the longer run has no fewer collectives of any kind"
 
 
-def _sync_worker(rank: int, world_size: int, data: str, root: str) -> dict[str, int]:
-    """Count CUDA host synchronisations (``set_sync_debug_mode("warn")``) in two runs that log
-    only at their end: 4 and 8 steps."""
+def _sync_worker(rank: int, world_size: int, data: str, root: str) -> dict[str, Counter[str]]:
+    """CUDA host synchronisations (``set_sync_debug_mode("warn")``) in two runs that log only
+    at their end, 4 and 8 steps: per run, how many warnings each Python line that called the
+    synchronising operation raised (``file:line``, the warning's location)."""
     counts = {}
     for steps in (4, 8):
         argv = _args(Path(root) / str(steps), data, steps, steps, "--device", "cuda")
@@ -99,15 +100,18 @@ def _sync_worker(rank: int, world_size: int, data: str, root: str) -> dict[str, 
             warnings.simplefilter("always")
             _counted_run(rank, world_size, argv, device="cuda")
         torch.cuda.set_sync_debug_mode("default")
-        counts[str(steps)] = sum("synchroniz" in str(w.message) for w in caught)
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        counts[str(steps)] = Counter(f"{w.filename}:{w.lineno}" for w in syncs)
     return counts
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_host_sync_between_log_steps_on_cuda(sample_data: Path, tmp_path: Path) -> None:
-    """Four more steps between the same log points add no host synchronisation (NCCL, 1 GPU)."""
+    """Four more steps between the same log points add no host synchronisation (NCCL, 1 GPU).
+    On failure the message names the lines whose synchronisations the longer run adds."""
     (counts,) = run_distributed(
         _sync_worker, 1, str(sample_data), str(tmp_path), timeout=300, backend="nccl"
     )
-    assert counts["8"] == counts["4"], counts
+    added = counts["8"] - counts["4"]
+    assert counts["8"].total() == counts["4"].total(), f"added per line: {dict(added)}"
