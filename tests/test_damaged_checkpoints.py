@@ -10,14 +10,13 @@ without a checkpoint or final_model."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 from distributed_harness import PEAK, REPO, logged_losses, run_distributed
-from tiny_models import digest, train_in_group
+from tiny_models import LogLines, digest, train_in_group
 
 from torchrun_ddp.checkpoint import MANIFEST, inventory, verify_step
 from torchrun_ddp.checkpoint.manifest import UNVERIFIED
@@ -43,15 +42,6 @@ def _argv(base: Path, folder: str, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _train(
     rank: int, world: int, base: str, steps: int, per_node: int, perturb: str
 ) -> dict[str, object]:
@@ -60,18 +50,18 @@ def _train(
     if perturb:
         os.environ[PERTURB_ENV] = perturb
     folder = "ckpt" if per_node == world else f"node-{rank // per_node}"
-    lines = _Lines()
-    logging.getLogger("torchrun_ddp").addHandler(lines)
     try:
-        argv = _argv(Path(base), folder, steps)
-        trainer = train_in_group(rank, world, argv, False, per_node)
-    except UserError as exc:
-        return {"error": str(exc), "lines": lines.lines}
+        with LogLines() as log:
+            try:
+                trainer = train_in_group(
+                    rank, world, _argv(Path(base), folder, steps), False, per_node
+                )
+            except UserError as exc:
+                return {"error": str(exc), "lines": log.lines}
     finally:
-        logging.getLogger("torchrun_ddp").removeHandler(lines)
         os.environ.pop(PERTURB_ENV, None)
     params = dict(trainer.model.module.named_parameters())
-    return {"digest": digest(params), "step": trainer.step, "lines": lines.lines}
+    return {"digest": digest(params), "step": trainer.step, "lines": log.lines}
 
 
 def _run(

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 import sys
 from pathlib import Path
 
 import pytest
 from distributed_harness import REPO, tiny_args, torchrun
+from tiny_models import LogLines
 from transformers import PreTrainedTokenizerBase
 
 from torchrun_ddp.config_io import parse_config
@@ -98,27 +98,12 @@ def test_a_truncated_gzip_with_three_documents_is_refused_at_start_up(
     assert not (tmp_path / "out").exists()
 
 
-class _Lines(logging.Handler):
-    """Keeps the messages logged to it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_a_warmup_as_long_as_the_run_is_warned_once() -> None:
-    handler, logger = _Lines(), logging.getLogger("torchrun_ddp")
-    logger.addHandler(handler)
-    try:
+    with LogLines() as log:
         for rank, warmup in ((0, 250), (1, 250), (0, 5), (0, 4)):
             argv = ["--max-steps", "5", "--warmup-steps", str(warmup), "--learning-rate", "1e-3"]
             warn_long_warmup(parse_config(argv), DistEnv(rank=rank, world_size=2))
-    finally:
-        logger.removeHandler(handler)
-    records = handler.lines
+    records = log.lines
     assert len(records) == 2, records  # rank 0 only; warmup 4 of 5 steps reaches the peak
     assert records[0].startswith("--warmup-steps 250 is not below --max-steps 5: the learning")
     assert "reaches 2e-05 (2% of --learning-rate) only at its last step" in records[0]
