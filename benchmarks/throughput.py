@@ -63,12 +63,15 @@ class Setting:
     static_graph: bool = False
     minimal: bool = False
     """The hand-written loop of ``benchmarks/minimal_ddp.py`` instead of ``train.py``."""
+    data_parallel: str = "ddp"
+    """``--data-parallel`` (``fsdp``: FSDP2 over every rank)."""
 
     def flags(self) -> list[str]:
         """``train.py`` flags of this setting (besides the shared ones)."""
         flags = ["--precision", self.precision, "--threads", str(self.threads)]
         flags += ["--compression", self.compression]
         flags += ["--ddp-static-graph"] if self.static_graph else []
+        flags += ["--data-parallel", self.data_parallel]
         return [*flags, "--compile"] if self.compile else flags
 
     @property
@@ -77,13 +80,14 @@ class Setting:
         parts = [self.precision, *(["compile"] if self.compile else [])]
         parts += [self.compression] if self.compression != "none" else []
         parts += ["static graph"] if self.static_graph else []
+        parts += [self.data_parallel] if self.data_parallel != "ddp" else []
         shape = f"{' + '.join(parts)}, {self.processes} proc x {self.threads} thr"
         return f"minimal DDP loop, {shape}" if self.minimal else shape
 
 
 def _setting(name: str) -> Setting:
-    """Parse ``PxT-precision[-compile][-dct][-static]`` or ``PxT-fp32-minimal`` (the
-    hand-written loop), e.g. ``2x1-bf16-compile-dct``."""
+    """Parse ``PxT-precision[-compile][-dct][-static][-fsdp]`` or ``PxT-fp32-minimal`` (the
+    hand-written loop), e.g. ``2x1-bf16-compile-dct`` or ``2x1-bf16-fsdp``."""
     shape, *rest = name.split("-")
     processes, threads = (int(part) for part in shape.split("x"))
     precision = {"fp32": "fp32", "bf16": "bf16-mixed"}[rest[0]]
@@ -93,7 +97,7 @@ def _setting(name: str) -> Setting:
         raise SystemExit(f"error: {name}: the minimal loop runs fp32 only; use PxT-fp32-minimal")
     return Setting(
         name, processes, threads, precision, "compile" in rest, compression, "static" in rest,
-        minimal,
+        minimal, "fsdp" if "fsdp" in rest else "ddp",
     )  # fmt: skip
 
 
@@ -115,7 +119,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    shapes = "PxT-fp32|bf16[-compile][-dct][-static]"
+    shapes = "PxT-fp32|bf16[-compile][-dct][-static][-fsdp]"
     add("--settings", default=DEFAULT_SETTINGS, help=f"comma list of {shapes}")
     add("--steps", type=int, default=40, help="optimizer steps per run")
     add("--warmup", type=int, default=10, help="first steps left out of the medians")

@@ -240,14 +240,15 @@ def activation_estimate(arch: Architecture, settings: PlanSettings) -> Activatio
     dwarfs the layers of a small model.
     """
     tokens = settings.micro_batch * settings.seq_length
-    saved = _SAVED[settings.precision]
+    compute = _activation_precision(settings)
+    saved = _SAVED[compute]
     mlp = saved.mlp * arch.active_intermediate
     width = saved.norms * arch.hidden + saved.query * arch.q_dim + mlp
     per_token = width + saved.key_value * arch.kv_dim + 4 * arch.heads + 2 * 4
     layer = tokens * per_token
     per_layer = layer
     if settings.activation_checkpointing:
-        per_layer = tokens * arch.hidden * _PRECISION_BYTES[settings.precision].residual
+        per_layer = tokens * arch.hidden * _PRECISION_BYTES[compute].residual
     logits = tokens * arch.vocab
     fp32_logits = settings.precision == "fp32"
     return ActivationEstimate(
@@ -256,6 +257,15 @@ def activation_estimate(arch: Architecture, settings: PlanSettings) -> Activatio
         loss_forward=(8 if fp32_logits else 10) * logits,
         loss_backward=12 * logits,
     )
+
+
+def _activation_precision(settings: PlanSettings) -> str:
+    """The precision the activations are saved in: bf16-mixed under FSDP gathers bf16 weights
+    and runs without autocast (``MixedPrecisionPolicy(param_dtype=bfloat16)``), so its layers
+    save what pure bf16 saves, with a bf16 residual stream."""
+    if settings.precision == "bf16-mixed" and settings.data_parallel != "ddp":
+        return "bf16"
+    return settings.precision
 
 
 def autocast_copy_bytes(arch: Architecture, settings: PlanSettings) -> tuple[int, int]:
@@ -450,7 +460,7 @@ def plan_memory(
         )
     if settings.lora:
         return _lora_plan(arch, parameters, settings, active_parameters)
-    if settings.shard_ranks > 1:
+    if settings.data_parallel != "ddp":
         return _sharded_plan(arch, parameters, settings, active_parameters)
     size = _PRECISION_BYTES[settings.precision]
     shard = parameters
@@ -526,7 +536,7 @@ def _lora_plan(
 def _sharded_plan(
     arch: Architecture, parameters: int, settings: PlanSettings, active: int | None
 ) -> MemoryPlan:
-    """``plan_memory`` under FSDP (``settings.shard_ranks`` = S > 1): each rank keeps a 1/S
+    """``plan_memory`` under FSDP (``settings.shard_ranks`` = S, 1 or more): each rank keeps a 1/S
     shard of the weights, the gradients and the AdamW moments (FSDP2 pads each tensor's rows to
     a multiple of S: at most S - 1 rows more, not counted). Units are gathered in the compute
     dtype (bf16 under bf16-mixed) one layer at a time: the root unit (embedding, final norm,
