@@ -105,13 +105,23 @@ def _sync_worker(rank: int, world_size: int, data: str, root: str) -> dict[str, 
     return counts
 
 
+UPSTREAM_SYNC = "transformers/masking_utils.py"
+"""transformers 5.x reads one bool on the host in every forward that has no attention mask or
+cache (``find_packed_sequence_indices``: ``(packed_sequence_mask[:, -1] == 0).all()``), to
+tell packed examples from one sequence; seen on an H100 (docs/benchmarks.md)."""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_host_sync_between_log_steps_on_cuda(sample_data: Path, tmp_path: Path) -> None:
-    """Four more steps between the same log points add no host synchronisation (NCCL, 1 GPU).
+    """Four more steps between the same log points add no host synchronisation of ours (NCCL,
+    1 GPU), and transformers' mask check exactly one per forward (4 steps x 2 micro-batches).
     On failure the message names the lines whose synchronisations the longer run adds."""
     (counts,) = run_distributed(
         _sync_worker, 1, str(sample_data), str(tmp_path), timeout=300, backend="nccl"
     )
     added = counts["8"] - counts["4"]
-    assert counts["8"].total() == counts["4"].total(), f"added per line: {dict(added)}"
+    ours = {line: n for line, n in added.items() if UPSTREAM_SYNC not in line}
+    upstream = sum(n for line, n in added.items() if UPSTREAM_SYNC in line)
+    assert not ours and upstream == 4 * 2, f"added per line: {dict(added)}"
+    assert counts["8"].total() - counts["4"].total() == upstream, "no line has fewer"
