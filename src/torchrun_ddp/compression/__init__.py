@@ -2,8 +2,10 @@
 
 Modules: ``settings`` (methods and their parameters), ``transform`` (orthonormal DCT-II, block
 layout, tiles), ``hooks`` (one comm hook per method: none, dct, dct-topk, fp16, bf16, powersgd;
-:func:`register_compression`), ``local_gradients`` (the hooks that keep each rank's gradient,
-or its node's mean, for optimizers that exchange themselves), ``state`` (error feedback,
+:func:`register_compression`), ``replicas`` (the same hooks on a sharded model's gradient
+shards across the replicate group, ``--data-parallel hsdp``), ``local_gradients`` (the hooks
+that keep each rank's gradient, or its node's mean, for optimizers that exchange themselves),
+``state`` (error feedback,
 PowerSGD memories, bytes counted per step, ``state_dict``/``load_state_dict``) and ``wire``
 (payload sizes and the ring model's wire bytes per collective).
 
@@ -14,6 +16,7 @@ counter) and ``plan`` build on it; it imports neither.
 
 from torchrun_ddp.compression.hooks import compression_hook, register_compression
 from torchrun_ddp.compression.local_gradients import register_local_gradients
+from torchrun_ddp.compression.replicas import ReplicaExchange, ShardBucket
 from torchrun_ddp.compression.settings import (
     METHODS,
     SCOPED_METHODS,
@@ -57,6 +60,8 @@ __all__ = [
     "BlockLayout",
     "CompressionSettings",
     "CompressionState",
+    "ReplicaExchange",
+    "ShardBucket",
     "ShardedExchange",
     "StepBytes",
     "block_layout",

@@ -430,6 +430,18 @@ def _bf16_reduces(group: dist.ProcessGroup, device: torch.device) -> bool:
     return True
 
 
+def bf16_transport(
+    settings: CompressionSettings, group: dist.ProcessGroup, device: torch.device
+) -> str:
+    """How the hook of ``settings`` sends bfloat16 over ``group``: ``all_reduce`` (natively), or
+    ``all_gather`` (raw bits summed in fp32) where the backend cannot reduce bfloat16. A
+    collective (one tiny all-reduce) only for bfloat16 payloads on gloo; call on every rank."""
+    bf16_values = settings.method == "dct" and settings.topk_value_dtype == "bfloat16"
+    if settings.method != "bf16" and not bf16_values:
+        return "all_reduce"
+    return "all_reduce" if _bf16_reduces(group, device) else "all_gather"
+
+
 def register_compression(
     model: DistributedDataParallel,
     settings: CompressionSettings,
@@ -452,10 +464,7 @@ def register_compression(
     if settings.method == "none" and settings.scope == "global" and process_group is None:
         state.count_builtin_all_reduce(model.parameters())  # DDP's C++ all-reduce, no hook
         return state
-    bf16_values = settings.method == "dct" and settings.topk_value_dtype == "bfloat16"
-    if settings.method == "bf16" or bf16_values:
-        device = next(model.parameters()).device
-        native = _bf16_reduces(_group(state), device)
-        state.bf16_transport = "all_reduce" if native else "all_gather"
+    device = next(model.parameters()).device
+    state.bf16_transport = bf16_transport(settings, _group(state), device)
     model.register_comm_hook(state, compression_hook)
     return state

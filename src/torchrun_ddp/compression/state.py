@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -207,6 +207,8 @@ class CompressionState:
         self.step = 0
         self.builtin_step_bytes: StepBytes | None = None
         """Set when DDP's built-in all-reduce runs instead of a hook (``none``)."""
+        self.fsdp_step_bytes: StepBytes | None = None
+        """FSDP's collectives within the shard group, added to the hook's counts (hsdp)."""
         self.bf16_transport = "all_reduce"
         """``all_reduce`` (native bfloat16) or ``all_gather`` (raw bits, summed in fp32)."""
         self._param_index = {id(param): index for index, param in enumerate(parameters)}
@@ -256,13 +258,22 @@ class CompressionState:
             nbytes,
         )
 
-    def count_sharded_exchange(self, exchange: ShardedExchange) -> None:
-        """Count FSDP's collectives (no comm hook) analytically, once per optimizer step, like
+    def count_sharded_exchange(self, exchange: ShardedExchange, hooked: bool = False) -> None:
+        """Count FSDP's collectives analytically, once per optimizer step, like
         :meth:`count_builtin_all_reduce`: ``sharded_step_bytes`` of ``exchange``, next to a
-        dense fp32 all-reduce of its trained parameters over all ranks."""
-        wire, collective = sharded_step_bytes(exchange)
-        dense = dense_wire_bytes(exchange.parameters, self.world_size)
-        self.builtin_step_bytes = StepBytes(round(wire), round(dense), collective)
+        dense fp32 all-reduce of its trained parameters over all ranks. ``hooked``: a comm
+        hook exchanges the shards across the replicate group (``replicas.ReplicaExchange``),
+        so FSDP's part is its shard group's collectives only, and each step adds what the hook
+        counts to it (the dense figure stays the whole world's)."""
+        fsdp = replace(exchange, replicate=1) if hooked else exchange
+        wire, collective = sharded_step_bytes(fsdp)
+        world = exchange.shard * exchange.replicate
+        dense = dense_wire_bytes(exchange.parameters, world)
+        counts = StepBytes(round(wire), round(dense), collective)
+        if hooked:
+            self.fsdp_step_bytes = counts
+        else:
+            self.builtin_step_bytes = counts
 
     def pop_step_bytes(self) -> StepBytes:
         """Return this step's byte counts (rounded to whole bytes) and reset them to 0."""
@@ -271,6 +282,11 @@ class CompressionState:
         counts = StepBytes(
             round(self.comm_bytes), round(self.comm_bytes_dense), self.comm_bytes_collective
         )
+        if self.fsdp_step_bytes is not None:
+            fsdp = self.fsdp_step_bytes
+            counts = StepBytes(
+                counts.wire + fsdp.wire, fsdp.dense, counts.collective + fsdp.collective
+            )
         self.comm_bytes = 0.0
         self.comm_bytes_dense = 0.0
         self.comm_bytes_collective = 0
