@@ -124,7 +124,8 @@ def build_sharded_model(
         config.data_parallel, env.world_size, env.local_world_size, config.shard_degree
     )
     mesh = build_mesh(device, shape, hybrid=config.data_parallel == "hsdp")
-    units = shard_model(model, mesh, config.precision)
+    replicate = mesh.get_group("replicate") if method.exchanges_replicas(mesh.ndim) else None
+    units = shard_model(model, mesh if replicate is None else mesh["shard"], config.precision)
     load_from_rank0(model, device, rank0_state)
     del rank0_state
     gather_dtype = torch.bfloat16 if config.precision != "fp32" else torch.float32
@@ -139,10 +140,11 @@ def build_sharded_model(
     )
     log.info(
         "--data-parallel %s: %d decoder-layer units + root on a mesh of %d x %d ranks "
-        "(replicate x shard)",
+        "(replicate x shard)%s",
         config.data_parallel, units.layers, shape.replicate, shape.shard,
+        "" if replicate is None else f"; --compression {config.compression} across replicas",
     )  # fmt: skip
-    return model, method.register_sharded(model, exchange)
+    return model, method.register_sharded(model, exchange, replicate)
 
 
 def build_parallel_model(

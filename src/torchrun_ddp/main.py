@@ -263,6 +263,7 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
     """One optimizer step over ``batches``: returns (mean loss, gradient norm before clipping)."""
     precision = trainer.config.precision
     loss = forward_backward(trainer.model, batches, precision, trainer.data.step_tokens)
+    trainer.method.after_backward()  # hsdp with a comm hook: the shards across replicas
     fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
     if perturbation("nan-loss") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
         loss = loss * math.nan

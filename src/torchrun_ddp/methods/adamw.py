@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -27,6 +28,7 @@ from torchrun_ddp.checkpoint import (
 from torchrun_ddp.compression import (
     CompressionSettings,
     CompressionState,
+    ReplicaExchange,
     ShardedExchange,
     compression_settings,
     register_compression,
@@ -68,6 +70,7 @@ class AdamWMethod(Method):
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
         self.hook: CompressionSettings = compression_settings(config)
+        self._replicas: ReplicaExchange | None = None
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
@@ -75,12 +78,12 @@ class AdamWMethod(Method):
         a hook's flag given under a --compression that does not read it."""
         compression_settings(config)
         refuse_unused(config, given, COMPRESSION_FLAGS)
-        sharded = config.data_parallel != "ddp"
-        if sharded and config.optimizer == cls.name and config.compression != "none":
+        compressed = config.optimizer == cls.name and config.compression != "none"
+        if compressed and config.data_parallel == "fsdp":
             raise UserError(
-                f"--compression {config.compression} is a DDP comm hook; under --data-parallel "
-                f"{config.data_parallel} FSDP exchanges the gradient shards itself: use "
-                "--compression none"
+                f"--compression {config.compression} compresses the exchange between replicas, "
+                "and --data-parallel fsdp has none (FSDP reduce-scatters the gradients over "
+                "every rank); use --data-parallel hsdp, or --compression none"
             )
         if config.overlap_exchange and config.optimizer == cls.name:
             raise UserError(
@@ -94,15 +97,36 @@ class AdamWMethod(Method):
         """The ``--compression`` comm hook (``compression.register_compression``)."""
         return register_compression(ddp_model, self.hook, node_groups=node_groups)
 
+    def exchanges_replicas(self, mesh_dims: int) -> bool:
+        """hsdp with a --compression hook: the hook exchanges the shards across replicas."""
+        return mesh_dims == 2 and self.hook.method != "none"
+
     def register_sharded(
-        self, model: torch.nn.Module, exchange: ShardedExchange
+        self,
+        model: torch.nn.Module,
+        exchange: ShardedExchange,
+        replicate: dist.ProcessGroup | None = None,
     ) -> CompressionState:
-        """No comm hook: FSDP reduce-scatters the gradients (and all-reduces the shards over
-        the replicate group under hsdp); the state counts those bytes analytically
-        (``CompressionState.count_sharded_exchange``)."""
-        state = CompressionState(self.hook, model.parameters())
-        state.count_sharded_exchange(exchange)
-        return state
+        """FSDP reduce-scatters the gradients (and, without ``replicate``, all-reduces the shards
+        over the replicate group under hsdp); the state counts those bytes analytically
+        (``CompressionState.count_sharded_exchange``). With ``replicate`` (hsdp with a
+        --compression hook) the hook averages the shards over that group after each step's
+        backward (``compression.ReplicaExchange``, :meth:`after_backward`) and its state counts
+        the hook's bytes on top of FSDP's within the shard group."""
+        if replicate is None:
+            state = CompressionState(self.hook, model.parameters())
+            state.count_sharded_exchange(exchange)
+            return state
+        cap = round(self.config.ddp_bucket_cap_mb * 2**20)
+        self._replicas = ReplicaExchange(self.hook, list(model.parameters()), replicate, cap)
+        self._replicas.state.count_sharded_exchange(exchange, hooked=True)
+        return self._replicas.state
+
+    def after_backward(self) -> None:
+        """hsdp with a comm hook: average the gradient shards over the replicate group,
+        compressed (collective); nothing otherwise (DDP's hook and FSDP ran in backward)."""
+        if self._replicas is not None:
+            self._replicas.average()
 
     def build_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
         """torch's AdamW over two parameter groups (``optim.build_optimizer``), ZeRO-1 with

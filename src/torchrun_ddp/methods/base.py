@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -130,15 +131,26 @@ class Method:
         return register_local_gradients(ddp_model, node_groups=node_groups)
 
     def register_sharded(
-        self, model: torch.nn.Module, exchange: ShardedExchange
+        self,
+        model: torch.nn.Module,
+        exchange: ShardedExchange,
+        replicate: dist.ProcessGroup | None = None,
     ) -> CompressionState:
         """The state that counts the wire bytes of a model sharded by FSDP (``--data-parallel
-        fsdp|hsdp``; ``exchange``: its collectives' sizes). A method that cannot train sharded
-        refuses it in ``check_config``; this default raises the same UserError."""
+        fsdp|hsdp``; ``exchange``: its collectives' sizes; ``replicate``: under hsdp, the group
+        of the ranks holding this rank's shards when the method exchanges over it itself, None
+        when FSDP all-reduces them). A method that cannot train sharded refuses it in
+        ``check_config``; this default raises the same UserError."""
         raise UserError(
             f"--optimizer {self.name} does not run under --data-parallel "
             f"{self.config.data_parallel} yet; use --optimizer adamw or --data-parallel ddp"
         )
+
+    def exchanges_replicas(self, mesh_dims: int) -> bool:
+        """Whether, on a sharded model's mesh of ``mesh_dims`` dimensions (2: hsdp's replicate x
+        shard), the method averages the gradient shards over the replicate dimension itself;
+        FSDP then shards on the shard dimension alone. False by default (FSDP's all-reduce)."""
+        return False
 
     def build(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
         """Build and keep this rank's optimizer over ``model``'s trained parameters, counting any
@@ -159,6 +171,10 @@ class Method:
         return self._optimizer
 
     # -- the loop ------------------------------------------------------------------------------
+
+    def after_backward(self) -> None:
+        """After the step's last backward, before clipping and the optimizer step: any exchange
+        of gradients the method runs itself outside backward (collective). Nothing by default."""
 
     def flush(self) -> bool:
         """Apply an update still in flight (a collective for some); True if there was one."""
