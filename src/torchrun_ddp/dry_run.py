@@ -284,35 +284,53 @@ def communication_plan(
     )
     bucket = config.ddp_bucket_cap_mb * 2**20
     table = communication_table(methods, sizes, topo, compute_s, first, shapes, bucket)
-    return "\n".join([header, *sharded_traffic(config, sizes, world, per_node), table])
+    return "\n".join([header, *sharded_traffic(config, shapes, topo, method), table])
 
 
-def sharded_traffic(config: TrainConfig, sizes: list[int], world: int, per_node: int) -> list[str]:
+def sharded_traffic(
+    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology, method: Method
+) -> list[str]:
     """Under --data-parallel fsdp/hsdp, one line: FSDP's wire bytes per rank and step
     (``compression.sharded_step_bytes``: every micro-batch all-gathers the units, layers twice
     and the root once, then the gradients are reduce-scattered, under hsdp also all-reduced over
-    the replicas); the table's rows are then DDP's comm hooks, for comparison. [] under ddp."""
+    the replicas); the table's rows are then DDP's comm hooks, for comparison. Under hsdp with a
+    comm hook on the replicas (``Method.exchanges_replicas``), FSDP stays within each group and
+    a second line gives the hook's bytes across the replicas: its estimate for the shard's
+    shapes (FSDP2 splits dim 0: ``ceil(rows / S)`` rows) on a ring of the R replicas. [] under
+    ddp."""
     if config.data_parallel == "ddp":
         return []
+    world, sizes = topo.world_size, [math.prod(shape) for shape in shapes]
     parameters = sum(sizes)
-    root = max(sizes)  # the embedding (and an untied head as large): the root unit's bulk
-    shard = world if config.data_parallel == "fsdp" else config.shard_degree or per_node
+    shard = world if config.data_parallel == "fsdp" else config.shard_degree or topo.per_node
+    hooked = config.data_parallel == "hsdp" and method.exchanges_replicas(2)
     exchange = ShardedExchange(
         parameters=parameters,
-        gathered=2 * parameters - root,
+        gathered=2 * parameters - max(sizes),  # the root's bulk: the embedding (and the head)
         shard=shard,
-        replicate=world // shard,
+        replicate=1 if hooked else world // shard,
         micro_batches=config.accumulation_steps,
         gather_bytes=4 if config.precision == "fp32" else 2,
         reduce_bytes=PRECISION_DTYPES[config.precision].itemsize,
     )
     wire, _ = sharded_step_bytes(exchange)
-    return [
+    lines = [
         f"--data-parallel {config.data_parallel} ({world // shard} x {shard} ranks): FSDP sends "
         f"{wire / 1e6:.4g} MB per rank per step (all-gathers of every micro-batch, one "
-        "reduce-scatter, and under hsdp the shards' all-reduce across replicas); the rows below "
-        "are DDP's comm hooks, for comparison"
+        "reduce-scatter"
+        + ("" if hooked else ", and under hsdp the shards' all-reduce across replicas")
+        + "); the rows below are DDP's comm hooks, for comparison"
     ]
+    if hooked:
+        shard_shapes = [(math.ceil(s[0] / shard), *s[1:]) if s else s for s in shapes]
+        replicas = dataclasses.replace(topo, world_size=world // shard, per_node=1)
+        hook = method.step_estimate(shard_shapes, replicas, config.ddp_bucket_cap_mb * 2**20)
+        lines.append(
+            f"--compression {config.compression} across the {world // shard} replicas: "
+            f"{hook.wire_bytes / 1e6:.4g} MB per rank per step, each rank its 1/{shard} shard "
+            "(the hook's estimate for the shard's shapes; only this crosses between groups)"
+        )
+    return lines
 
 
 def run_estimate(
