@@ -90,6 +90,23 @@ def tiny_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def accumulating_args(
+    sample_data: Path, output_dir: Path, steps: int, checkpoint_every: int, *extra: str
+) -> list[str]:
+    """The sharded tests' config: the hidden-64 LLaMA of configs/tiny-models, ``steps`` steps of
+    2 micro-batches of 2 x 16 tokens per rank, a record every step, no evaluation but the
+    last's one batch."""
+    return tiny_args(
+        sample_data, output_dir,
+        "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
+        "--seq-length", "16",
+        "--batch-size", "2", "--accumulation-steps", "2", "--warmup-steps", "2",
+        "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
+        "--checkpoint-every", str(checkpoint_every), "--learning-rate", "3e-3",
+        "--max-steps", str(steps), *extra,
+    )  # fmt: skip
+
+
 REFERENCE_STEPS = 16
 
 

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import final_weights, logged_losses, run_distributed, tiny_args
+from distributed_harness import (
+    accumulating_args,
+    final_weights,
+    logged_losses,
+    run_distributed,
+)
 from tiny_models import comm_bytes, digest, tiny_llama_config, tiny_model_path, train_in_group
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -39,13 +44,7 @@ CPU = torch.device("cpu")
 
 def _args(data: Path, output: Path, *extra: str) -> list[str]:
     """The hidden-64 LLaMA, 8 steps of 2 micro-batches of 2 x 16 tokens per rank."""
-    return tiny_args(
-        data, output,
-        "--model", str(tiny_model_path("llama")), "--seq-length", "16", "--batch-size", "2",
-        "--accumulation-steps", "2", "--warmup-steps", "2", "--log-every", "1",
-        "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", str(STOP),
-        "--learning-rate", "3e-3", "--max-steps", str(STEPS), *extra,
-    )  # fmt: skip
+    return accumulating_args(data, output, STEPS, STOP, *extra)
 
 
 def _sharded_tiny(rank: int, world_size: int, precision: str) -> torch.nn.Module:
@@ -271,3 +270,26 @@ def test_fsdp_plan_on_one_rank_is_sharded_and_saves_bf16_activations() -> None:
     assert ddp.autocast_weight_copies > 0
     assert fsdp.weights + fsdp.optimizer_state == ddp.weights + ddp.optimizer_state
     assert fsdp.activations < ddp.activations
+
+
+def _sharded_lines(compression: str) -> list[str]:
+    base = ["--config", "configs/llama2_7b.toml", "--zero1", "false", "--data-parallel", "hsdp"]
+    config = parse_config([*base, "--compression", compression, "--device-memory-gib", "80"])
+    text = dry_run(config, DistEnv(rank=0, world_size=16, local_rank=0, local_world_size=8))
+    return [line for line in text.splitlines() if line.startswith("--")]
+
+
+def test_hsdp_plan_puts_only_the_hook_across_replicas() -> None:
+    """hsdp on 2 x 8 ranks: FSDP's own line drops the shards' all-reduce across replicas when a
+    hook exchanges them, and the hook's line gives its bytes on the 1/8 shard: dct 0.5 in fp32
+    sends half of what the fp32 all-reduce of the shards would."""
+    native, hooked = _sharded_lines("none"), _sharded_lines("dct")
+    assert len(native) == 1 and len(hooked) == 2, (native, hooked)
+    fsdp_native, fsdp_hooked, hook = (
+        float(line.split(" sends ")[1].split(" MB")[0]) if " sends " in line
+        else float(line.split(": ")[1].split(" MB")[0])
+        for line in (native[0], hooked[0], hooked[1])
+    )  # fmt: skip
+    across = fsdp_native - fsdp_hooked
+    assert across == pytest.approx(6_738_415_616 * 4 / 8 / 1e6, rel=0.01)
+    assert hook == pytest.approx(across / 2, rel=0.01), (hook, across)

@@ -1,0 +1,170 @@
+"""--data-parallel hsdp with a --compression comm hook across the replicas (``compression
+.replicas``): the real trainer on spawned gloo ranks. A lossless hook gives FSDP's own replicate
+all-reduce's losses, each hook trains with the replicas' shards bit-identical, only the hook's
+payload crosses the replicate group (bytes counted), and the error feedback resumes exactly."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_harness import (
+    accumulating_args,
+    final_weights,
+    logged_losses,
+    run_distributed,
+)
+from tiny_models import comm_bytes, tiny_model_path, train_in_group
+
+from torchrun_ddp.compression import dct_payload_bytes, wire_bytes
+from torchrun_ddp.compression.replicas import local_shard
+from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.errors import UserError
+
+pytestmark = pytest.mark.slow  # trains on 2 and 4 spawned ranks
+
+STEPS, STOP = 8, 4
+HOOKS = {
+    "none": (),
+    "dct-lossless": ("--compression", "dct", "--compression-ratio", "1.0",
+                     "--compression-value-dtype", "float32", "--compression-block-size", "32"),
+    "bf16": ("--compression", "bf16"),
+    "dct": ("--compression", "dct", "--compression-ratio", "0.25",
+            "--compression-value-dtype", "bfloat16", "--compression-selection", "rotating",
+            "--compression-block-size", "32"),
+    "dct-topk": ("--compression", "dct-topk", "--compression-topk", "4",
+                 "--compression-block-size", "32"),
+    "powersgd": ("--compression", "powersgd", "--powersgd-rank", "2"),
+}  # fmt: skip
+"""The hooks under test (``none``: FSDP's own all-reduce of the shards across replicas)."""
+
+
+def _args(data: Path, output: Path, *extra: str) -> list[str]:
+    """The hidden-64 LLaMA under hsdp, 8 steps of 2 micro-batches of 2 x 16 tokens per rank."""
+    return accumulating_args(data, output, STEPS, STOP, "--data-parallel", "hsdp", *extra)
+
+
+def _shard_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of this rank's weight shards (equal on the ranks that hold the same shards)."""
+    sha = hashlib.sha256()
+    for name, param in model.named_parameters():
+        sha.update(name.encode())
+        sha.update(local_shard(param).detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def _hooks_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str, str]:
+    """2 replicas of 1 shard: every hook for STEPS steps; dct stopped at STOP, then resumed."""
+    out = {}
+    for name, extra in HOOKS.items():
+        trainer = train_in_group(
+            rank, world_size, _args(Path(data), root / name, "--shard-degree", "1", *extra)
+        )
+        out[name] = _shard_digest(trainer.model)
+    stop = ("--shard-degree", "1", *HOOKS["dct"])
+    train_in_group(rank, world_size, _args(Path(data), root / "stopped", *stop, "--max-steps", "4"))
+    trainer = train_in_group(rank, world_size, _args(Path(data), root / "stopped", *stop))
+    out["resumed"] = _shard_digest(trainer.model)
+    return out
+
+
+def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> tuple[str, set]:
+    """2 nodes of 2 ranks (shard within a node): dct 0.25 bf16 across the nodes. Returns the
+    shards' digest and the ranks of every parameter's FSDP mesh."""
+    argv = _args(Path(data), root / "2x2", *HOOKS["dct"])
+    model = train_in_group(rank, world_size, argv, per_node=2).model
+    meshes = {tuple(p.device_mesh.mesh.tolist()) for p in model.parameters()}
+    return _shard_digest(model), meshes
+
+
+@pytest.fixture(scope="module")
+def runs(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    root = tmp_path_factory.mktemp("replicas")
+    return root, run_distributed(_hooks_worker, 2, str(sample_data), root, timeout=900)
+
+
+def test_a_lossless_hook_gives_fsdps_own_replica_average(runs: tuple[Path, list]) -> None:
+    """dct keeping every coefficient in fp32 is the exact mean up to rounding: the losses of
+    FSDP's native replicate all-reduce (``none``), to fp32 tolerance."""
+    root, _ = runs
+    native, hooked = logged_losses(root / "none"), logged_losses(root / "dct-lossless")
+    assert sorted(native) == sorted(hooked) == list(range(1, STEPS + 1))
+    for step in native:
+        assert hooked[step] == pytest.approx(native[step], rel=1e-4), step
+
+
+def test_every_hook_trains_and_keeps_the_replicas_identical(runs: tuple[Path, list]) -> None:
+    root, results = runs
+    for name in HOOKS:
+        losses = logged_losses(root / name)
+        assert losses[STEPS] < losses[1], (name, losses)
+        assert results[0][name] == results[1][name], f"{name}: the replicas' shards differ"
+    lossy = {name: logged_losses(root / name)[STEPS] for name in ("bf16", "dct", "powersgd")}
+    assert len({round(v, 6) for v in lossy.values()}) == len(lossy), "a hook did not run"
+
+
+def test_only_the_hooks_payload_crosses_the_replicas(runs: tuple[Path, list]) -> None:
+    """With one shard per replica FSDP sends nothing within a group, so a rank's wire bytes are
+    the hook's: dct 0.25 in bf16 sends the kept coefficients of every parameter (blocks of 32)
+    through one all-reduce over the 2 replicas, an eighth of the fp32 shards ``none`` sends."""
+    root, _ = runs
+    native = comm_bytes(root / "none")
+    dct = comm_bytes(root / "dct")
+    blocks = sum(math.ceil(math.prod(shape) / 32) for shape in _parameter_shapes())
+    payload = dct_payload_bytes(blocks, 8, torch.bfloat16)
+    expected = round(wire_bytes("all_reduce", payload, 2))
+    assert {wire for wire, _ in dct} == {expected}, (dct[:2], expected)
+    assert {dense for _, dense in dct} == {dense for _, dense in native}
+    assert 0.12 < expected / native[0][0] < 0.14, (expected, native[0])
+
+
+def _parameter_shapes() -> list[tuple[int, ...]]:
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    config = AutoConfig.from_pretrained(tiny_model_path("llama"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def test_error_feedback_resumes_exactly(runs: tuple[Path, list]) -> None:
+    """dct 0.25 bf16 with rotating selection keeps a residual per rank: stopped at STOP and
+    resumed, it ends on the uninterrupted run's shards, bit for bit."""
+    root, results = runs
+    assert [r["resumed"] for r in results] == [r["dct"] for r in results]
+    assert logged_losses(root / "stopped")[STEPS] == logged_losses(root / "dct")[STEPS]
+
+
+def test_two_nodes_of_two_ranks_compress_across_the_nodes(
+    sample_data: Path, tmp_path: Path
+) -> None:
+    """hsdp on 2 nodes x 2 ranks: FSDP's collectives stay within each node (its mesh is the
+    node's ranks), the ranks holding the same shard on the two nodes end bit-identical, and the
+    final export loads."""
+    results = run_distributed(_two_by_two_worker, 4, str(sample_data), tmp_path, timeout=600)
+    digests = [digest for digest, _ in results]
+    assert [meshes for _, meshes in results] == [{(0, 1)}, {(0, 1)}, {(2, 3)}, {(2, 3)}]
+    assert digests[0] == digests[2] and digests[1] == digests[3], digests
+    assert digests[0] != digests[1]
+    assert final_weights(tmp_path / "2x2"), "no final model"
+    losses = logged_losses(tmp_path / "2x2")
+    assert losses[STEPS] < losses[1]
+    shutil.rmtree(tmp_path / "2x2" / "checkpoints", ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (("--data-parallel", "fsdp", "--compression", "dct"), "use --data-parallel hsdp"),
+        (("--data-parallel", "hsdp", "--compression-scope", "inter-node", "--compression", "bf16"),
+         "--compression-scope global"),
+    ],
+)  # fmt: skip
+def test_compression_without_replicas_is_refused(extra: tuple[str, ...], needle: str) -> None:
+    with pytest.raises(UserError, match=needle.replace("-", r"\-")) as caught:
+        parse_config(list(extra))
+    assert "\n" not in str(caught.value)
