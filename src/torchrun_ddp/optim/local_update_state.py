@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from torchrun_ddp.optim.local_updates import PendingSync
+from torchrun_ddp.optim.local_updates import PendingSync, local_tensor
 
 if TYPE_CHECKING:
     from torchrun_ddp.optim.local_updates import LocalUpdates
@@ -69,10 +69,11 @@ class SyncedState:
         """The window position, the synced parameters and the outer momentum (after the outer
         step of a pending sync: :meth:`LocalUpdates.settle`, a collective when it waits)."""
         self.optimizer.settle()
+        laid_out = self.optimizer.laid_out
         state = {
             "position": self.optimizer.position,
-            "synced": _indexed(self.optimizer.synced),
-            "momentum": _indexed(self._momentum()),
+            "synced": _indexed(laid_out(self.optimizer.synced)),
+            "momentum": _indexed(laid_out(self._momentum()) if self._momentum() else []),
         }
         if self.optimizer.last_mean:  # eager updates: the mean their estimate starts from
             state["last_mean"] = _indexed(self.optimizer.last_mean)
@@ -88,6 +89,17 @@ class SyncedState:
             _copy_into(self.optimizer.last_mean, state_dict["last_mean"])
 
 
+def _laid_out_state(optimizer: LocalUpdates, index: int, values: object) -> dict[str, object]:
+    """One parameter's saved inner state with its shard-shaped tensors laid out as the
+    parameter (a DTensor on a sharded model; ``step`` and any scalar stay as they are)."""
+    state = dict(cast(Mapping[str, object], values))
+    local = optimizer.trained[index]
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape == local.shape:
+            state[key] = optimizer.laid_out_one(index, value.to(local.device))
+    return state
+
+
 def _copy_into(targets: list[torch.Tensor], saved: object) -> None:
     """Copy ``saved`` (``{"<i>": tensor}``) into ``targets`` by position; raises ValueError when
     the counts differ (another model or outer momentum setting)."""
@@ -95,8 +107,8 @@ def _copy_into(targets: list[torch.Tensor], saved: object) -> None:
     if len(pieces) != len(targets):
         raise ValueError(f"saved state has {len(pieces)} tensors, this run {len(targets)}")
     for index, target in enumerate(targets):
-        piece = pieces[str(index)]
-        if piece is not target:
+        piece = local_tensor(pieces[str(index)])  # DCP loaded a DTensor view of ``target``
+        if piece is not target and piece.data_ptr() != target.data_ptr():
             target.copy_(piece)
 
 
@@ -119,6 +131,10 @@ class RankState:
         optimizer = self.optimizer
         optimizer.settle()
         inner = optimizer.inner.state_dict()
+        inner["state"] = {
+            index: {key: local_tensor(value) for key, value in values.items()}
+            for index, values in inner["state"].items()
+        }  # a sharded model's moments are DTensors: this rank's shards
         trained = [p.detach() for p in optimizer.trained]
         pending = optimizer.pending
         return {
@@ -198,7 +214,10 @@ class RankState:
         states = cast(Mapping[str, object], inner["state"])
         optimizer.inner.load_state_dict(
             {
-                "state": {int(index): values for index, values in states.items()},
+                "state": {
+                    int(index): _laid_out_state(optimizer, int(index), values)
+                    for index, values in states.items()
+                },
                 "param_groups": inner["param_groups"],
             }
         )

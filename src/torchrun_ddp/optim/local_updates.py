@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Optimizer
 
 from torchrun_ddp.compression.state import CompressionState
@@ -96,6 +97,12 @@ __all__ = [  # the settings' names stay importable from here (``local_update_con
     "local_update_settings",
     "validate_local_updates",
 ]
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``param``, sharing its storage: a DTensor's local shard (FSDP),
+    any other tensor itself."""
+    return param.detach().to_local() if isinstance(param, DTensor) else param
 
 
 @dataclass
@@ -202,7 +209,10 @@ class LocalUpdates(Optimizer):
         self.pending: PendingSync | None = None
         self.syncs_applied = 0
         """Outer updates this process has applied (with a sync delay: behind the syncs started)."""
-        self.trained = [p for group in self.param_groups for p in group["params"]]
+        self.parameters = [p for group in self.param_groups for p in group["params"]]
+        """The inner optimizer's parameters (DTensors on a model sharded by FSDP)."""
+        self.trained = [local_tensor(p) for p in self.parameters]
+        """This rank's part of each (the parameter itself, or its shard): what is synced."""
         self.synced = [p.detach().to(torch.float32, copy=True) for p in self.trained]
         momentum = settings.outer_momentum
         self.outer = SGD(
@@ -221,6 +231,22 @@ class LocalUpdates(Optimizer):
         """Eager updates: the mean the last outer step applied (the same on every rank)."""
         self.last_own = [torch.zeros_like(copy) for copy in self.synced] if eager else []
         """Eager updates: this rank's part of that mean, as it entered it (before dividing)."""
+
+    def laid_out(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (one per trained tensor, its local shape) laid out as the parameters:
+        on a sharded model a DTensor sharing each tensor's storage, so that DCP saves every
+        shard and loads into it in place; the tensors themselves otherwise."""
+        return [self.laid_out_one(index, tensor) for index, tensor in enumerate(tensors)]
+
+    def laid_out_one(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """:meth:`laid_out` for the trained tensor at ``index``."""
+        param = self.parameters[index]
+        if not isinstance(param, DTensor):
+            return tensor
+        return DTensor.from_local(
+            tensor, param.device_mesh, param.placements, run_check=False,
+            shape=param.shape, stride=param.stride(),
+        )  # fmt: skip
 
     def share(self) -> list[int]:
         """The tensors (positions) whose error feedback this rank keeps: all of them, or its
