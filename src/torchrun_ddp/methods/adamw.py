@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -102,10 +102,7 @@ class AdamWMethod(Method):
         return mesh_dims == 2 and self.hook.method != "none"
 
     def register_sharded(
-        self,
-        model: torch.nn.Module,
-        exchange: ShardedExchange,
-        replicate: dist.ProcessGroup | None = None,
+        self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None
     ) -> CompressionState:
         """FSDP reduce-scatters the gradients (and, without ``replicate``, all-reduces the shards
         over the replicate group under hsdp); the state counts those bytes analytically

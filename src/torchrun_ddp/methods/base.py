@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -131,10 +131,7 @@ class Method:
         return register_local_gradients(ddp_model, node_groups=node_groups)
 
     def register_sharded(
-        self,
-        model: torch.nn.Module,
-        exchange: ShardedExchange,
-        replicate: dist.ProcessGroup | None = None,
+        self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None
     ) -> CompressionState:
         """The state that counts the wire bytes of a model sharded by FSDP (``--data-parallel
         fsdp|hsdp``; ``exchange``: its collectives' sizes; ``replicate``: under hsdp, the group

@@ -18,6 +18,9 @@ class ExchangingMethod(Method):
 
     node_aware: bool = True
     """Whether ``--compression-scope inter-node`` gives it a node-aware exchange."""
+    on_shards: bool = False
+    """Whether it runs under --data-parallel hsdp, exchanging the local shards over the
+    replicate dimension (DiLoCo)."""
 
     @classmethod
     def check_exchange(cls, config: TrainConfig) -> None:
@@ -25,11 +28,7 @@ class ExchangingMethod(Method):
         a comm hook on top, ZeRO-1, a node-aware scope it has no exchange for, or a sharded
         model (its exchange works on whole replicas)."""
         if config.data_parallel != "ddp":
-            raise UserError(
-                f"--optimizer {cls.name} does not run under --data-parallel "
-                f"{config.data_parallel} yet (its exchange works on whole replicas); use "
-                "--optimizer adamw or --data-parallel ddp"
-            )
+            cls.check_sharded(config)
         if config.compression_scope != "global" and not cls.node_aware:
             raise UserError(
                 f"--compression-scope {config.compression_scope} works with --optimizer adamw, "
@@ -46,6 +45,27 @@ class ExchangingMethod(Method):
                 f"--optimizer {cls.name} does not work with --zero1 (ZeRO-1 shards one "
                 "optimizer state over ranks that step the same gradient; here each rank's state "
                 "and update are its own); drop --zero1"
+            )
+
+    @classmethod
+    def check_sharded(cls, config: TrainConfig) -> None:
+        """Raise UserError unless the method runs on a sharded model as ``config`` asks: on the
+        local shards across hsdp's replicas (``on_shards``), without an overlapped exchange."""
+        mode = config.data_parallel
+        if not cls.on_shards:
+            raise UserError(
+                f"--optimizer {cls.name} does not run under --data-parallel {mode} yet (its "
+                "exchange works on whole replicas); use --optimizer adamw or diloco, or "
+                "--data-parallel ddp"
+            )
+        if mode != "hsdp":
+            raise UserError(
+                f"--optimizer {cls.name} exchanges between replicas, and --data-parallel {mode} "
+                "has none; use --data-parallel hsdp (shards within a node, replicas across)"
+            )
+        if config.overlap_exchange:
+            raise UserError(
+                f"--overlap-exchange is not supported under --data-parallel {mode} yet; drop it"
             )
 
     def exchange_group(self, compression: CompressionState) -> dist.ProcessGroup | None:
