@@ -234,8 +234,27 @@ def local_update_memory(
     as compression state and the sync's temporaries as compression buffers: those peak at the
     end of backward, with the gradients and one layer's activations alive, which bounds the
     sync (in the optimizer step, with the gradients alive) from above."""
-    shapes = trained_shapes(config, model_config)
+    shapes = shard_shapes(config, trained_shapes(config, model_config), world_size)
     return method_for(config).memory_rows(plan_sizes(config, shapes, 0, world_size))
+
+
+def planned_shard_degree(config: TrainConfig, world: int) -> int:
+    """Ranks one replica is sharded over: 1 under ddp, ``world`` under fsdp, under hsdp
+    --shard-degree or a node's GPUs (--plan-gpus-per-node)."""
+    if config.data_parallel == "ddp":
+        return 1
+    if config.data_parallel == "fsdp":
+        return world
+    return config.shard_degree or min(config.plan_gpus_per_node, world)
+
+
+def shard_shapes(
+    config: TrainConfig, shapes: list[tuple[int, ...]], world: int
+) -> list[tuple[int, ...]]:
+    """One rank's shard of each of ``shapes`` (FSDP2 splits dim 0: ``ceil(rows / S)`` rows);
+    the shapes themselves under ddp."""
+    degree = planned_shard_degree(config, world)
+    return [(math.ceil(s[0] / degree), *s[1:]) if s else s for s in shapes]
 
 
 def local_update_memory_table(rows: list[MemoryRow], config: TrainConfig) -> str:
@@ -302,7 +321,7 @@ def sharded_traffic(
         return []
     world, sizes = topo.world_size, [math.prod(shape) for shape in shapes]
     parameters = sum(sizes)
-    shard = world if config.data_parallel == "fsdp" else config.shard_degree or topo.per_node
+    shard = planned_shard_degree(config, world)
     hooked = config.data_parallel == "hsdp" and method.exchanges_replicas(2)
     exchange = ShardedExchange(
         parameters=parameters,
@@ -322,13 +341,13 @@ def sharded_traffic(
         + "); the rows below are DDP's comm hooks, for comparison"
     ]
     if hooked:
-        shard_shapes = [(math.ceil(s[0] / shard), *s[1:]) if s else s for s in shapes]
         replicas = dataclasses.replace(topo, world_size=world // shard, per_node=1)
-        hook = method.step_estimate(shard_shapes, replicas, config.ddp_bucket_cap_mb * 2**20)
+        bucket = config.ddp_bucket_cap_mb * 2**20
+        hook = method.step_estimate(shard_shapes(config, shapes, world), replicas, bucket)
         lines.append(
-            f"--compression {config.compression} across the {world // shard} replicas: "
+            f"{method.describe()} across the {world // shard} replicas: "
             f"{hook.wire_bytes / 1e6:.4g} MB per rank per step, each rank its 1/{shard} shard "
-            "(the hook's estimate for the shard's shapes; only this crosses between groups)"
+            "(the method's estimate for the shard's shapes; only this crosses between groups)"
         )
     return lines
 
