@@ -276,7 +276,8 @@ def _sharded_lines(compression: str) -> list[str]:
     base = ["--config", "configs/llama2_7b.toml", "--zero1", "false", "--data-parallel", "hsdp"]
     config = parse_config([*base, "--compression", compression, "--device-memory-gib", "80"])
     text = dry_run(config, DistEnv(rank=0, world_size=16, local_rank=0, local_world_size=8))
-    return [line for line in text.splitlines() if line.startswith("--")]
+    lines = text.splitlines()
+    return [line for line in lines if line.startswith("--data-parallel") or "replicas: " in line]
 
 
 def test_hsdp_plan_puts_only_the_hook_across_replicas() -> None:

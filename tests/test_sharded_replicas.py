@@ -41,6 +41,8 @@ HOOKS = {
     "powersgd": ("--compression", "powersgd", "--powersgd-rank", "2"),
 }  # fmt: skip
 """The hooks under test (``none``: FSDP's own all-reduce of the shards across replicas)."""
+DILOCO = ("--optimizer", "diloco", "--local-steps", "3", "--zero1", "false", "--shard-degree", "1")
+"""DiLoCo syncing every 3 steps: step 4 (the checkpoint) falls inside a window."""
 
 
 def _args(data: Path, output: Path, *extra: str) -> list[str]:
@@ -65,20 +67,32 @@ def _hooks_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str
             rank, world_size, _args(Path(data), root / name, "--shard-degree", "1", *extra)
         )
         out[name] = _shard_digest(trainer.model)
-    stop = ("--shard-degree", "1", *HOOKS["dct"])
-    train_in_group(rank, world_size, _args(Path(data), root / "stopped", *stop, "--max-steps", "4"))
-    trainer = train_in_group(rank, world_size, _args(Path(data), root / "stopped", *stop))
-    out["resumed"] = _shard_digest(trainer.model)
+    for name, extra in {"dct": HOOKS["dct"], "diloco": DILOCO}.items():
+        stop = (*extra, "--shard-degree", "1")  # DILOCO has it already: the last one counts
+        folder = root / f"stopped-{name}"
+        train_in_group(rank, world_size, _args(Path(data), folder, *stop, "--max-steps", "4"))
+        trainer = train_in_group(rank, world_size, _args(Path(data), folder, *stop))
+        out[f"resumed-{name}"] = _shard_digest(trainer.model)
+    trainer = train_in_group(rank, world_size, _args(Path(data), root / "diloco", *DILOCO))
+    out["diloco"] = _shard_digest(trainer.model)
+    ddp = (*DILOCO[:-2], "--data-parallel", "ddp")
+    train_in_group(rank, world_size, _args(Path(data), root / "diloco-ddp", *ddp))
     return out
 
 
-def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> tuple[str, set]:
-    """2 nodes of 2 ranks (shard within a node): dct 0.25 bf16 across the nodes. Returns the
-    shards' digest and the ranks of every parameter's FSDP mesh."""
-    argv = _args(Path(data), root / "2x2", *HOOKS["dct"])
-    model = train_in_group(rank, world_size, argv, per_node=2).model
-    meshes = {tuple(p.device_mesh.mesh.tolist()) for p in model.parameters()}
-    return _shard_digest(model), meshes
+def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> list[tuple]:
+    """2 nodes of 2 ranks (shard within a node): dct 0.25 bf16 across the nodes, and DiLoCo
+    for 6 steps (ending on its second sync). Per run, the shards' digest and the ranks of every
+    parameter's FSDP mesh."""
+    runs = {"2x2": HOOKS["dct"], "2x2-diloco": (*DILOCO[:-2], "--max-steps", "6")}
+    out = []
+    for name, extra in runs.items():
+        argv = _args(Path(data), root / name, *extra)
+        model = train_in_group(rank, world_size, argv, per_node=2).model
+        out.append(
+            (_shard_digest(model), {tuple(p.device_mesh.mesh.tolist()) for p in model.parameters()})
+        )
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -135,21 +149,22 @@ def test_error_feedback_resumes_exactly(runs: tuple[Path, list]) -> None:
     """dct 0.25 bf16 with rotating selection keeps a residual per rank: stopped at STOP and
     resumed, it ends on the uninterrupted run's shards, bit for bit."""
     root, results = runs
-    assert [r["resumed"] for r in results] == [r["dct"] for r in results]
-    assert logged_losses(root / "stopped")[STEPS] == logged_losses(root / "dct")[STEPS]
+    assert [r["resumed-dct"] for r in results] == [r["dct"] for r in results]
+    assert logged_losses(root / "stopped-dct") == logged_losses(root / "dct")
 
 
 def test_two_nodes_of_two_ranks_compress_across_the_nodes(
     sample_data: Path, tmp_path: Path
 ) -> None:
-    """hsdp on 2 nodes x 2 ranks: FSDP's collectives stay within each node (its mesh is the
-    node's ranks), the ranks holding the same shard on the two nodes end bit-identical, and the
-    final export loads."""
+    """hsdp on 2 nodes x 2 ranks, with dct and with DiLoCo: FSDP's collectives stay within each
+    node (its mesh is the node's ranks), the ranks holding the same shard on the two nodes end
+    bit-identical, and the final export loads."""
     results = run_distributed(_two_by_two_worker, 4, str(sample_data), tmp_path, timeout=600)
-    digests = [digest for digest, _ in results]
-    assert [meshes for _, meshes in results] == [{(0, 1)}, {(0, 1)}, {(2, 3)}, {(2, 3)}]
-    assert digests[0] == digests[2] and digests[1] == digests[3], digests
-    assert digests[0] != digests[1]
+    for run in range(2):  # dct, then DiLoCo after its sync
+        digests = [result[run][0] for result in results]
+        assert [result[run][1] for result in results] == [{(0, 1)}, {(0, 1)}, {(2, 3)}, {(2, 3)}]
+        assert digests[0] == digests[2] and digests[1] == digests[3], (run, digests)
+        assert digests[0] != digests[1]
     assert final_weights(tmp_path / "2x2"), "no final model"
     losses = logged_losses(tmp_path / "2x2")
     assert losses[STEPS] < losses[1]
@@ -162,9 +177,32 @@ def test_two_nodes_of_two_ranks_compress_across_the_nodes(
         (("--data-parallel", "fsdp", "--compression", "dct"), "use --data-parallel hsdp"),
         (("--data-parallel", "hsdp", "--compression-scope", "inter-node", "--compression", "bf16"),
          "--compression-scope global"),
+        (("--data-parallel", "fsdp", "--optimizer", "diloco", "--zero1", "false"),
+         "use --data-parallel hsdp"),
+        (("--data-parallel", "hsdp", "--optimizer", "diloco", "--zero1", "false",
+          "--overlap-exchange"), "--overlap-exchange is not supported"),
+        (("--data-parallel", "hsdp", "--optimizer", "sparseloco", "--zero1", "false"),
+         "use --optimizer adamw or diloco"),
     ],
 )  # fmt: skip
 def test_compression_without_replicas_is_refused(extra: tuple[str, ...], needle: str) -> None:
     with pytest.raises(UserError, match=needle.replace("-", r"\-")) as caught:
         parse_config(list(extra))
     assert "\n" not in str(caught.value)
+
+
+def test_diloco_on_shards_is_ddps_diloco_and_resumes_exactly(runs: tuple[Path, list]) -> None:
+    """DiLoCo under hsdp with one rank per replica is DDP's DiLoCo (each replica one worker):
+    the same losses to fp32 tolerance. Stopped at step 4, inside a window of 3, it resumes bit
+    for bit, and the syncs send the fp32 pseudo-gradient over the 2 replicas, nothing in the
+    other steps."""
+    root, results = runs
+    ddp, sharded = logged_losses(root / "diloco-ddp"), logged_losses(root / "diloco")
+    assert sorted(ddp) == sorted(sharded) == list(range(1, STEPS + 1))
+    for step in ddp:
+        assert sharded[step] == pytest.approx(ddp[step], rel=1e-4), step
+    assert logged_losses(root / "stopped-diloco") == sharded
+    assert [r["resumed-diloco"] for r in results] == [r["diloco"] for r in results]
+    numel = sum(math.prod(shape) for shape in _parameter_shapes())
+    sync = round(wire_bytes("all_reduce", numel * 4, 2))
+    assert [wire for wire, _ in comm_bytes(root / "diloco")] == [0, 0, sync, 0, 0, sync, 0, 0]
