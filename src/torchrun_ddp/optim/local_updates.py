@@ -44,6 +44,11 @@ instead of keeping them) and, at ``tau = H``, the one-outer-step delay of Kale e
 this rank's estimate of the outer update (:meth:`LocalUpdates._eager_step`, Kale et al. 2025)
 instead of its own parameters.
 
+**Sharded models** (``--data-parallel hsdp``, DiLoCo): the parameters are FSDP2 DTensors and
+``theta_r`` is this rank's local shard (``p.to_local()``, sharing its storage, as torchft's
+DiLoCo does); ``theta`` and the outer momentum are shard-shaped, the sync runs over the
+replicate group, and checkpoints lay them out as DTensors (:meth:`LocalUpdates.laid_out`).
+
 The settings (flags, checks, paper defaults) are ``local_update_config``; checkpoint state (why
 shared and per rank, resume at another world size) is ``local_update_state``; the memory rows of
 --dry-run are ``plan.local_update_memory``.
