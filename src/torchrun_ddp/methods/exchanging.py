@@ -55,8 +55,8 @@ class ExchangingMethod(Method):
         if not cls.on_shards:
             raise UserError(
                 f"--optimizer {cls.name} does not run under --data-parallel {mode} yet (its "
-                "exchange works on whole replicas); use --optimizer adamw or diloco, or "
-                "--data-parallel ddp"
+                "exchange works on whole replicas); use --optimizer adamw, diloco or "
+                "sparseloco, or --data-parallel ddp"
             )
         if mode != "hsdp":
             raise UserError(

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from torchrun_ddp.checkpoint import Stateful, load_rank_states
-from torchrun_ddp.compression import CompressionState
+from torchrun_ddp.compression import CompressionSettings, CompressionState, ShardedExchange
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import FP32, CheckpointBytes, MemoryRow, PlanSizes
@@ -44,7 +45,12 @@ log = logging.getLogger("torchrun_ddp")
 
 
 class LocalUpdatesMethod(ExchangingMethod):
-    """DiLoCo's and SparseLoCo's shared answers; ``settings``: ``optim.LocalUpdateSettings``."""
+    """DiLoCo's and SparseLoCo's shared answers; ``settings``: ``optim.LocalUpdateSettings``.
+
+    Under --data-parallel hsdp each replica (a node's ranks, FSDP within it) is one worker: the
+    inner AdamW steps the shards on the replica's gradient, and a sync exchanges each rank's
+    pseudo-gradient shard over the replicate group (torchft's DiLoCo on ``p.to_local()``;
+    INTELLECT-1 ran FSDP inside a node and DiLoCo across)."""
 
     flags = (
         "local_steps",
@@ -58,6 +64,34 @@ class LocalUpdatesMethod(ExchangingMethod):
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
         self.settings: LocalUpdateSettings = local_update_settings(config)
+
+    on_shards = True
+
+    def exchanges_replicas(self, mesh_dims: int) -> bool:
+        """hsdp: the sync exchanges the shards across replicas; FSDP stays in a replica."""
+        return mesh_dims == 2
+
+    def register_sharded(
+        self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None
+    ) -> CompressionState:
+        """The state that counts FSDP's collectives within a replica every step and the syncs'
+        collectives over ``replicate`` (the group the optimizer then syncs in)."""
+        settings = CompressionSettings(method="none")
+        state = CompressionState(settings, model.parameters(), process_group=replicate)
+        state.count_sharded_exchange(exchange, hooked=True)
+        return state
+
+    def load_resharded(
+        self, model: torch.nn.Module, path: Path, saved: Mapping[str, object], rank: int
+    ) -> None:
+        """Under hsdp the inner state is shard-shaped: refused at another world size."""
+        if self.config.data_parallel != "ddp":
+            raise UserError(
+                f"{path} was saved by {saved['world_size']} ranks; --optimizer {self.name} under "
+                "--data-parallel hsdp resumes at the saved world size only; start with "
+                "that many ranks"
+            )
+        self._load_resharded(path, saved, rank)
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
@@ -127,9 +161,7 @@ class LocalUpdatesMethod(ExchangingMethod):
         """The inner optimizer's state exists nowhere else."""
         return f"the {self.name} inner optimizer state cannot be rebuilt"
 
-    def load_resharded(
-        self, model: DistributedDataParallel, path: Path, saved: Mapping[str, object], rank: int
-    ) -> None:
+    def _load_resharded(self, path: Path, saved: Mapping[str, object], rank: int) -> None:
         """New rank ``r`` takes old rank ``r mod W_old``'s inner AdamW state; what cannot carry
         over is dropped with a warning (``optim.RankState.load_resharded``)."""
         old_rank = rank % int(cast("int", saved["world_size"]))
