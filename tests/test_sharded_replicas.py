@@ -41,8 +41,12 @@ HOOKS = {
     "powersgd": ("--compression", "powersgd", "--powersgd-rank", "2"),
 }  # fmt: skip
 """The hooks under test (``none``: FSDP's own all-reduce of the shards across replicas)."""
-DILOCO = ("--optimizer", "diloco", "--local-steps", "3", "--zero1", "false", "--shard-degree", "1")
-"""DiLoCo syncing every 3 steps: step 4 (the checkpoint) falls inside a window."""
+LOCAL = {
+    name: ("--optimizer", name, "--local-steps", "3", "--zero1", "false", "--shard-degree", "1")
+    for name in ("diloco", "sparseloco")
+}
+"""DiLoCo and SparseLoCo syncing every 3 steps: step 4 (the checkpoint) falls inside a window;
+one rank per replica."""
 
 
 def _args(data: Path, output: Path, *extra: str) -> list[str]:
@@ -67,24 +71,25 @@ def _hooks_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str
             rank, world_size, _args(Path(data), root / name, "--shard-degree", "1", *extra)
         )
         out[name] = _shard_digest(trainer.model)
-    for name, extra in {"dct": HOOKS["dct"], "diloco": DILOCO}.items():
-        stop = (*extra, "--shard-degree", "1")  # DILOCO has it already: the last one counts
+    for name, extra in {"dct": (*HOOKS["dct"], "--shard-degree", "1"), **LOCAL}.items():
         folder = root / f"stopped-{name}"
-        train_in_group(rank, world_size, _args(Path(data), folder, *stop, "--max-steps", "4"))
-        trainer = train_in_group(rank, world_size, _args(Path(data), folder, *stop))
+        train_in_group(rank, world_size, _args(Path(data), folder, *extra, "--max-steps", "4"))
+        trainer = train_in_group(rank, world_size, _args(Path(data), folder, *extra))
         out[f"resumed-{name}"] = _shard_digest(trainer.model)
-    trainer = train_in_group(rank, world_size, _args(Path(data), root / "diloco", *DILOCO))
-    out["diloco"] = _shard_digest(trainer.model)
-    ddp = (*DILOCO[:-2], "--data-parallel", "ddp")
-    train_in_group(rank, world_size, _args(Path(data), root / "diloco-ddp", *ddp))
+    for name, extra in LOCAL.items():
+        trainer = train_in_group(rank, world_size, _args(Path(data), root / name, *extra))
+        out[name] = _shard_digest(trainer.model)
+        ddp = (*extra[:-2], "--data-parallel", "ddp")
+        train_in_group(rank, world_size, _args(Path(data), root / f"{name}-ddp", *ddp))
     return out
 
 
 def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> list[tuple]:
-    """2 nodes of 2 ranks (shard within a node): dct 0.25 bf16 across the nodes, and DiLoCo
-    for 6 steps (ending on its second sync). Per run, the shards' digest and the ranks of every
-    parameter's FSDP mesh."""
-    runs = {"2x2": HOOKS["dct"], "2x2-diloco": (*DILOCO[:-2], "--max-steps", "6")}
+    """2 nodes of 2 ranks (shard within a node): dct 0.25 bf16 across the nodes, then DiLoCo
+    and SparseLoCo for 6 steps (ending on their second sync). Per run, the shards' digest and
+    the ranks of every parameter's FSDP mesh."""
+    runs = {"2x2": HOOKS["dct"]}
+    runs |= {f"2x2-{name}": (*extra[:-2], "--max-steps", "6") for name, extra in LOCAL.items()}
     out = []
     for name, extra in runs.items():
         argv = _args(Path(data), root / name, *extra)
@@ -156,11 +161,11 @@ def test_error_feedback_resumes_exactly(runs: tuple[Path, list]) -> None:
 def test_two_nodes_of_two_ranks_compress_across_the_nodes(
     sample_data: Path, tmp_path: Path
 ) -> None:
-    """hsdp on 2 nodes x 2 ranks, with dct and with DiLoCo: FSDP's collectives stay within each
-    node (its mesh is the node's ranks), the ranks holding the same shard on the two nodes end
-    bit-identical, and the final export loads."""
+    """hsdp on 2 nodes x 2 ranks, with dct, DiLoCo and SparseLoCo: FSDP's collectives stay
+    within each node (its mesh is the node's ranks), the ranks holding the same shard on the two
+    nodes end bit-identical, and the final export loads."""
     results = run_distributed(_two_by_two_worker, 4, str(sample_data), tmp_path, timeout=600)
-    for run in range(2):  # dct, then DiLoCo after its sync
+    for run in range(3):  # dct, then DiLoCo and SparseLoCo after their sync
         digests = [result[run][0] for result in results]
         assert [result[run][1] for result in results] == [{(0, 1)}, {(0, 1)}, {(2, 3)}, {(2, 3)}]
         assert digests[0] == digests[2] and digests[1] == digests[3], (run, digests)
@@ -181,8 +186,8 @@ def test_two_nodes_of_two_ranks_compress_across_the_nodes(
          "use --data-parallel hsdp"),
         (("--data-parallel", "hsdp", "--optimizer", "diloco", "--zero1", "false",
           "--overlap-exchange"), "--overlap-exchange is not supported"),
-        (("--data-parallel", "hsdp", "--optimizer", "sparseloco", "--zero1", "false"),
-         "use --optimizer adamw or diloco"),
+        (("--data-parallel", "hsdp", "--optimizer", "demo", "--zero1", "false"),
+         "use --optimizer adamw, diloco or sparseloco"),
     ],
 )  # fmt: skip
 def test_compression_without_replicas_is_refused(extra: tuple[str, ...], needle: str) -> None:
@@ -191,18 +196,22 @@ def test_compression_without_replicas_is_refused(extra: tuple[str, ...], needle:
     assert "\n" not in str(caught.value)
 
 
-def test_diloco_on_shards_is_ddps_diloco_and_resumes_exactly(runs: tuple[Path, list]) -> None:
-    """DiLoCo under hsdp with one rank per replica is DDP's DiLoCo (each replica one worker):
-    the same losses to fp32 tolerance. Stopped at step 4, inside a window of 3, it resumes bit
-    for bit, and the syncs send the fp32 pseudo-gradient over the 2 replicas, nothing in the
-    other steps."""
+@pytest.mark.parametrize("name", list(LOCAL))
+def test_local_updates_on_shards_are_ddps_and_resume_exactly(
+    runs: tuple[Path, list], name: str
+) -> None:
+    """DiLoCo and SparseLoCo under hsdp with one rank per replica are DDP's (each replica one
+    worker): the same losses to fp32 tolerance. Stopped at step 4, inside a window of 3, each
+    resumes bit for bit, and a rank sends nothing between syncs."""
     root, results = runs
-    ddp, sharded = logged_losses(root / "diloco-ddp"), logged_losses(root / "diloco")
+    ddp, sharded = logged_losses(root / f"{name}-ddp"), logged_losses(root / name)
     assert sorted(ddp) == sorted(sharded) == list(range(1, STEPS + 1))
     for step in ddp:
         assert sharded[step] == pytest.approx(ddp[step], rel=1e-4), step
-    assert logged_losses(root / "stopped-diloco") == sharded
-    assert [r["resumed-diloco"] for r in results] == [r["diloco"] for r in results]
-    numel = sum(math.prod(shape) for shape in _parameter_shapes())
-    sync = round(wire_bytes("all_reduce", numel * 4, 2))
-    assert [wire for wire, _ in comm_bytes(root / "diloco")] == [0, 0, sync, 0, 0, sync, 0, 0]
+    assert logged_losses(root / f"stopped-{name}") == sharded
+    assert [r[f"resumed-{name}"] for r in results] == [r[name] for r in results]
+    wire = [wire for wire, _ in comm_bytes(root / name)]
+    assert [step for step, sent in enumerate(wire, 1) if sent] == [3, 6], wire
+    if name == "diloco":  # the fp32 pseudo-gradient's all-reduce over the 2 replicas
+        numel = sum(math.prod(shape) for shape in _parameter_shapes())
+        assert wire[2] == round(wire_bytes("all_reduce", numel * 4, 2))
