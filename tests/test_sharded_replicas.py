@@ -18,7 +18,7 @@ from distributed_harness import (
     logged_losses,
     run_distributed,
 )
-from tiny_models import comm_bytes, tiny_model_path, train_in_group
+from tiny_models import comm_bytes, digest, tiny_model_path, train_in_group
 
 from torchrun_ddp.compression import dct_payload_bytes, wire_bytes
 from torchrun_ddp.compression.replicas import local_shard
@@ -88,16 +88,27 @@ def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> lis
     """2 nodes of 2 ranks (shard within a node): dct 0.25 bf16 across the nodes, then DiLoCo
     and SparseLoCo for 6 steps (ending on their second sync). Per run, the shards' digest and
     the ranks of every parameter's FSDP mesh."""
-    runs = {"2x2": HOOKS["dct"]}
+    runs = {"2x2": HOOKS["dct"], "2x2-none": ("--max-steps", str(STOP))}
     runs |= {f"2x2-{name}": (*extra[:-2], "--max-steps", "6") for name, extra in LOCAL.items()}
     out = []
     for name, extra in runs.items():
         argv = _args(Path(data), root / name, *extra)
         model = train_in_group(rank, world_size, argv, per_node=2).model
         out.append(
-            (_shard_digest(model), {tuple(p.device_mesh.mesh.tolist()) for p in model.parameters()})
+            (
+                _shard_digest(model),
+                {tuple(p.device_mesh.mesh.flatten().tolist()) for p in model.parameters()},
+            )
         )
     return out
+
+
+def _reshaped_worker(rank: int, world_size: int, data: str, root: Path, degree: str) -> None:
+    """Resume the 2 x 2 checkpoint of step STOP on 2 ranks with --shard-degree ``degree`` (2:
+    1 replica of 2 shards, 1: 2 replicas of 1), train nothing, export."""
+    step = root / "2x2-none" / "checkpoints" / f"step-{STOP}"
+    extra = ("--resume-from", str(step), "--max-steps", str(STOP), "--shard-degree", degree)
+    train_in_group(rank, world_size, _args(Path(data), root / f"resumed-{degree}", *extra))
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +174,14 @@ def test_two_nodes_of_two_ranks_compress_across_the_nodes(
 ) -> None:
     """hsdp on 2 nodes x 2 ranks, with dct, DiLoCo and SparseLoCo: FSDP's collectives stay
     within each node (its mesh is the node's ranks), the ranks holding the same shard on the two
-    nodes end bit-identical, and the final export loads."""
+    nodes end bit-identical, and the final export loads. A plain hsdp checkpoint of 2 x 2
+    resumes as 1 x 2 and as 2 x 1 with the same weights, bit for bit (DCP reshards)."""
     results = run_distributed(_two_by_two_worker, 4, str(sample_data), tmp_path, timeout=600)
-    for run in range(3):  # dct, then DiLoCo and SparseLoCo after their sync
+    for degree in ("2", "1"):  # the 2 x 2 checkpoint of step STOP resumed as 1 x 2 and 2 x 1
+        run_distributed(_reshaped_worker, 2, str(sample_data), tmp_path, degree, timeout=300)
+        resumed = final_weights(tmp_path / f"resumed-{degree}")
+        assert digest(resumed) == digest(final_weights(tmp_path / "2x2-none")), degree
+    for run in (0, 2, 3):  # dct, DiLoCo and SparseLoCo after their sync (1: the plain run)
         digests = [result[run][0] for result in results]
         assert [result[run][1] for result in results] == [{(0, 1)}, {(0, 1)}, {(2, 3)}, {(2, 3)}]
         assert digests[0] == digests[2] and digests[1] == digests[3], (run, digests)
