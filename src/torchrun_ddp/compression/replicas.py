@@ -80,8 +80,9 @@ class ShardBucket:
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: a DTensor's local tensor, any other tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """This rank's part of ``tensor``, sharing its storage (detached): a DTensor's local shard
+    (FSDP), any other tensor itself."""
+    return tensor.detach().to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class ReplicaExchange:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from torchrun_ddp.compression.replicas import local_shard
 from torchrun_ddp.compression.settings import TOPK_VALUE_DTYPES
 from torchrun_ddp.compression.state import CompressionState
 from torchrun_ddp.compression.transform import tile_shape
@@ -148,7 +149,8 @@ class DeMo(Optimizer):
         self.updates_applied = 0
         """Updates this process has applied (with ``overlap``: one step behind ``step()``)."""
         trained = self._trained()
-        self.codecs = {p: tile_codec(tuple(p.shape), self.settings) for p in trained}
+        # a sharded model's tiles are cut from this rank's shard
+        self.codecs = {p: tile_codec(tuple(local_shard(p).shape), self.settings) for p in trained}
         sizes = [self._message_bytes(self.codecs[p]) for p in trained]
         parts = node_groups.local_world_size if node_groups else 1
         owners = assign_owners(sizes, parts)
@@ -160,7 +162,9 @@ class DeMo(Optimizer):
         self.exchange = MessageExchange(lengths, process_group, node_groups, counter)
         for param in trained:
             if self.owners[param] == self.local_rank:
-                self.state[param]["delta"] = torch.zeros_like(param, dtype=torch.float32)
+                self.state[param]["delta"] = torch.zeros_like(
+                    local_shard(param), dtype=torch.float32
+                )
 
     def _trained(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
@@ -222,9 +226,10 @@ class DeMo(Optimizer):
             rows = rows_by_owner[owner][:, offsets[owner] : offsets[owner] + size]
             offsets[owner] += size
             direction = self._decode(codec, rows)
+            local = local_shard(param)
             if decay:
-                param.mul_(1.0 - lr * decay)
-            param.add_(direction.to(param.dtype), alpha=-lr)
+                local.mul_(1.0 - lr * decay)
+            local.add_(direction.to(local.dtype), alpha=-lr)
 
     def _compress(self, param: torch.Tensor, lr: float) -> torch.Tensor:
         """Momentum update, top-k per tile, subtraction of what is sent; the message as uint8:
@@ -233,7 +238,7 @@ class DeMo(Optimizer):
         delta = self.state[param]["delta"]
         delta.mul_(self.settings.beta)
         if param.grad is not None:
-            delta.add_(param.grad, alpha=lr)
+            delta.add_(local_shard(param.grad), alpha=lr)
         codec = self.codecs[param]
         coeffs = codec.encode(delta)
         positions = coeffs.abs().topk(codec.k, dim=1, sorted=False).indices

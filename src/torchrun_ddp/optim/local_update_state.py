@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from torchrun_ddp.optim.local_updates import PendingSync, local_tensor
+from torchrun_ddp.compression.replicas import local_shard
+from torchrun_ddp.optim.local_updates import PendingSync
 
 if TYPE_CHECKING:
     from torchrun_ddp.optim.local_updates import LocalUpdates
@@ -107,7 +108,7 @@ def _copy_into(targets: list[torch.Tensor], saved: object) -> None:
     if len(pieces) != len(targets):
         raise ValueError(f"saved state has {len(pieces)} tensors, this run {len(targets)}")
     for index, target in enumerate(targets):
-        piece = local_tensor(pieces[str(index)])  # DCP loaded a DTensor view of ``target``
+        piece = local_shard(pieces[str(index)])  # DCP loaded a DTensor view of ``target``
         if piece is not target and piece.data_ptr() != target.data_ptr():
             target.copy_(piece)
 
@@ -132,7 +133,7 @@ class RankState:
         optimizer.settle()
         inner = optimizer.inner.state_dict()
         inner["state"] = {
-            index: {key: local_tensor(value) for key, value in values.items()}
+            index: {key: local_shard(value) for key, value in values.items()}
             for index, values in inner["state"].items()
         }  # a sharded model's moments are DTensors: this rank's shards
         trained = [p.detach() for p in optimizer.trained]

@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Optimizer
 
+from torchrun_ddp.compression.replicas import local_shard
 from torchrun_ddp.compression.state import CompressionState
 from torchrun_ddp.optim.exchange import Counter, InFlight
 from torchrun_ddp.optim.local_update_config import (
@@ -102,12 +103,6 @@ __all__ = [  # the settings' names stay importable from here (``local_update_con
     "local_update_settings",
     "validate_local_updates",
 ]
-
-
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``param``, sharing its storage: a DTensor's local shard (FSDP),
-    any other tensor itself."""
-    return param.detach().to_local() if isinstance(param, DTensor) else param
 
 
 @dataclass
@@ -216,7 +211,7 @@ class LocalUpdates(Optimizer):
         """Outer updates this process has applied (with a sync delay: behind the syncs started)."""
         self.parameters = [p for group in self.param_groups for p in group["params"]]
         """The inner optimizer's parameters (DTensors on a model sharded by FSDP)."""
-        self.trained = [local_tensor(p) for p in self.parameters]
+        self.trained = [local_shard(p) for p in self.parameters]
         """This rank's part of each (the parameter itself, or its shard): what is synced."""
         self.synced = [p.detach().to(torch.float32, copy=True) for p in self.trained]
         momentum = settings.outer_momentum
