@@ -1,12 +1,16 @@
 """The base of the methods whose optimizer runs its own exchange (DeMo, DiLoCo, SparseLoCo): DDP
 keeps each rank's gradient, so no comm hook compresses it and ZeRO-1 cannot shard the state.
+Under --data-parallel hsdp FSDP averages the gradient within a replica (a node's ranks) and the
+optimizer exchanges this rank's shards across the replicas: each replica is one worker.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
-from torchrun_ddp.compression import CompressionState
+from torchrun_ddp.compression import CompressionSettings, CompressionState, ShardedExchange
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import Method
@@ -18,9 +22,6 @@ class ExchangingMethod(Method):
 
     node_aware: bool = True
     """Whether ``--compression-scope inter-node`` gives it a node-aware exchange."""
-    on_shards: bool = False
-    """Whether it runs under --data-parallel hsdp, exchanging the local shards over the
-    replicate dimension (DiLoCo)."""
 
     @classmethod
     def check_exchange(cls, config: TrainConfig) -> None:
@@ -49,15 +50,9 @@ class ExchangingMethod(Method):
 
     @classmethod
     def check_sharded(cls, config: TrainConfig) -> None:
-        """Raise UserError unless the method runs on a sharded model as ``config`` asks: on the
-        local shards across hsdp's replicas (``on_shards``), without an overlapped exchange."""
+        """Raise UserError unless the method can run on a sharded model as ``config`` asks: on
+        the local shards across hsdp's replicas, without an overlapped exchange."""
         mode = config.data_parallel
-        if not cls.on_shards:
-            raise UserError(
-                f"--optimizer {cls.name} does not run under --data-parallel {mode} yet (its "
-                "exchange works on whole replicas); use --optimizer adamw, diloco or "
-                "sparseloco, or --data-parallel ddp"
-            )
         if mode != "hsdp":
             raise UserError(
                 f"--optimizer {cls.name} exchanges between replicas, and --data-parallel {mode} "
@@ -67,6 +62,20 @@ class ExchangingMethod(Method):
             raise UserError(
                 f"--overlap-exchange is not supported under --data-parallel {mode} yet; drop it"
             )
+
+    def exchanges_replicas(self, mesh_dims: int) -> bool:
+        """hsdp: the method exchanges the shards across replicas; FSDP stays in a replica."""
+        return mesh_dims == 2
+
+    def register_sharded(
+        self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None
+    ) -> CompressionState:
+        """The state that counts FSDP's collectives within a replica every step and the
+        method's own collectives over ``replicate`` (the group its optimizer exchanges in)."""
+        settings = CompressionSettings(method="none")
+        state = CompressionState(settings, model.parameters(), process_group=replicate)
+        state.count_sharded_exchange(exchange, hooked=True)
+        return state
 
     def exchange_group(self, compression: CompressionState) -> dist.ProcessGroup | None:
         """A process group of its own (all ranks; collective: every rank builds it) for a flat

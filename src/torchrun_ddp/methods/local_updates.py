@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
-from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from torchrun_ddp.checkpoint import Stateful, load_rank_states
-from torchrun_ddp.compression import CompressionSettings, CompressionState, ShardedExchange
+from torchrun_ddp.compression import CompressionState
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import FP32, CheckpointBytes, MemoryRow, PlanSizes
@@ -64,22 +63,6 @@ class LocalUpdatesMethod(ExchangingMethod):
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
         self.settings: LocalUpdateSettings = local_update_settings(config)
-
-    on_shards = True
-
-    def exchanges_replicas(self, mesh_dims: int) -> bool:
-        """hsdp: the sync exchanges the shards across replicas; FSDP stays in a replica."""
-        return mesh_dims == 2
-
-    def register_sharded(
-        self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None
-    ) -> CompressionState:
-        """The state that counts FSDP's collectives within a replica every step and the syncs'
-        collectives over ``replicate`` (the group the optimizer then syncs in)."""
-        settings = CompressionSettings(method="none")
-        state = CompressionState(settings, model.parameters(), process_group=replicate)
-        state.count_sharded_exchange(exchange, hooked=True)
-        return state
 
     def load_resharded(
         self, model: torch.nn.Module, path: Path, saved: Mapping[str, object], rank: int
