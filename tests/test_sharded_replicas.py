@@ -44,9 +44,11 @@ HOOKS = {
 LOCAL = {
     name: ("--optimizer", name, "--local-steps", "3", "--zero1", "false", "--shard-degree", "1")
     for name in ("diloco", "sparseloco")
-}
-"""DiLoCo and SparseLoCo syncing every 3 steps: step 4 (the checkpoint) falls inside a window;
-one rank per replica."""
+} | {"demo": ("--optimizer", "demo", "--zero1", "false", "--shard-degree", "1")}
+"""The methods that exchange themselves, one rank per replica: DiLoCo and SparseLoCo syncing
+every 3 steps (step 4, the checkpoint, falls inside a window), DeMo every step."""
+SYNCS = {"diloco": [3, 6], "sparseloco": [3, 6], "demo": list(range(1, 9))}
+"""The steps in which each sends."""
 
 
 def _args(data: Path, output: Path, *extra: str) -> list[str]:
@@ -85,8 +87,8 @@ def _hooks_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str
 
 
 def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> list[tuple]:
-    """2 nodes of 2 ranks (shard within a node): dct 0.25 bf16 across the nodes, then DiLoCo
-    and SparseLoCo for 6 steps (ending on their second sync). Per run, the shards' digest and
+    """2 nodes of 2 ranks (shard within a node): dct 0.25 bf16 across the nodes, then DiLoCo,
+    SparseLoCo and DeMo for 6 steps (ending on a sync). Per run, the shards' digest and
     the ranks of every parameter's FSDP mesh."""
     runs = {"2x2": HOOKS["dct"], "2x2-none": ("--max-steps", str(STOP))}
     runs |= {f"2x2-{name}": (*extra[:-2], "--max-steps", "6") for name, extra in LOCAL.items()}
@@ -172,7 +174,7 @@ def test_error_feedback_resumes_exactly(runs: tuple[Path, list]) -> None:
 def test_two_nodes_of_two_ranks_compress_across_the_nodes(
     sample_data: Path, tmp_path: Path
 ) -> None:
-    """hsdp on 2 nodes x 2 ranks, with dct, DiLoCo and SparseLoCo: FSDP's collectives stay
+    """hsdp on 2 nodes x 2 ranks, with dct, DiLoCo, SparseLoCo and DeMo: FSDP's collectives stay
     within each node (its mesh is the node's ranks), the ranks holding the same shard on the two
     nodes end bit-identical, and the final export loads. A plain hsdp checkpoint of 2 x 2
     resumes as 1 x 2 and as 2 x 1 with the same weights, bit for bit (DCP reshards)."""
@@ -181,7 +183,7 @@ def test_two_nodes_of_two_ranks_compress_across_the_nodes(
         run_distributed(_reshaped_worker, 2, str(sample_data), tmp_path, degree, timeout=300)
         resumed = final_weights(tmp_path / f"resumed-{degree}")
         assert digest(resumed) == digest(final_weights(tmp_path / "2x2-none")), degree
-    for run in (0, 2, 3):  # dct, DiLoCo and SparseLoCo after their sync (1: the plain run)
+    for run in (0, 2, 3, 4):  # dct, DiLoCo, SparseLoCo after their sync, DeMo (1: plain)
         digests = [result[run][0] for result in results]
         assert [result[run][1] for result in results] == [{(0, 1)}, {(0, 1)}, {(2, 3)}, {(2, 3)}]
         assert digests[0] == digests[2] and digests[1] == digests[3], (run, digests)
@@ -202,8 +204,8 @@ def test_two_nodes_of_two_ranks_compress_across_the_nodes(
          "use --data-parallel hsdp"),
         (("--data-parallel", "hsdp", "--optimizer", "diloco", "--zero1", "false",
           "--overlap-exchange"), "--overlap-exchange is not supported"),
-        (("--data-parallel", "hsdp", "--optimizer", "demo", "--zero1", "false"),
-         "use --optimizer adamw, diloco or sparseloco"),
+        (("--data-parallel", "hsdp", "--optimizer", "demo", "--zero1", "false",
+          "--overlap-exchange"), "--overlap-exchange is not supported"),
     ],
 )  # fmt: skip
 def test_compression_without_replicas_is_refused(extra: tuple[str, ...], needle: str) -> None:
@@ -216,9 +218,9 @@ def test_compression_without_replicas_is_refused(extra: tuple[str, ...], needle:
 def test_local_updates_on_shards_are_ddps_and_resume_exactly(
     runs: tuple[Path, list], name: str
 ) -> None:
-    """DiLoCo and SparseLoCo under hsdp with one rank per replica are DDP's (each replica one
-    worker): the same losses to fp32 tolerance. Stopped at step 4, inside a window of 3, each
-    resumes bit for bit, and a rank sends nothing between syncs."""
+    """DiLoCo, SparseLoCo and DeMo under hsdp with one rank per replica are DDP's (each replica
+    one worker): the same losses to fp32 tolerance. Stopped at step 4 (inside a window of 3),
+    each resumes bit for bit, and a rank sends only in its sync steps."""
     root, results = runs
     ddp, sharded = logged_losses(root / f"{name}-ddp"), logged_losses(root / name)
     assert sorted(ddp) == sorted(sharded) == list(range(1, STEPS + 1))
@@ -227,7 +229,7 @@ def test_local_updates_on_shards_are_ddps_and_resume_exactly(
     assert logged_losses(root / f"stopped-{name}") == sharded
     assert [r[f"resumed-{name}"] for r in results] == [r[name] for r in results]
     wire = [wire for wire, _ in comm_bytes(root / name)]
-    assert [step for step, sent in enumerate(wire, 1) if sent] == [3, 6], wire
+    assert [step for step, sent in enumerate(wire, 1) if sent] == SYNCS[name], wire
     if name == "diloco":  # the fp32 pseudo-gradient's all-reduce over the 2 replicas
         numel = sum(math.prod(shape) for shape in _parameter_shapes())
         assert wire[2] == round(wire_bytes("all_reduce", numel * 4, 2))
