@@ -56,6 +56,7 @@ from torchrun_ddp.model import (
 from torchrun_ddp.optim import ScheduleSettings, build_scheduler
 from torchrun_ddp.parallelize import (
     build_mesh,
+    holds_whole_replicas,
     load_from_rank0,
     mesh_shape,
     rank0_weights,
@@ -97,11 +98,17 @@ def checkpoint_storage(config: TrainConfig, env: DistEnv) -> StorageLayout:
     )
     if storage.group is not None:
         track_group(storage.group)
-    if config.data_parallel != "ddp" and not storage.shared:
+    if config.data_parallel == "ddp" or storage.shared:
+        return storage
+    shape = mesh_shape(
+        config.data_parallel, env.world_size, env.local_world_size, config.shard_degree
+    )
+    if not holds_whole_replicas(storage.domains, shape):
         raise UserError(
-            f"--checkpoint-dir {checkpoint_root(config)} is a folder per node or site, which "
-            f"--data-parallel {config.data_parallel} does not support yet (a folder would hold "
-            "only its ranks' shards); use one shared folder (--checkpoint-storage shared)"
+            f"--checkpoint-dir {checkpoint_root(config)} is a folder per node or site, and "
+            f"under --data-parallel {config.data_parallel} with {shape.shard} ranks per shard "
+            "group a folder would hold only part of the shards; use --data-parallel hsdp with "
+            "a --shard-degree within a node, or one shared folder (--checkpoint-storage shared)"
         )
     return storage
 

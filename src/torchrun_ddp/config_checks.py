@@ -106,10 +106,11 @@ def _validate_data_parallel(config: TrainConfig) -> None:
             "score different numbers of questions, and FSDP's forward is collective); use "
             "--data-parallel ddp or drop --eval-multiple-choice"
         )
-    if config.checkpoint_storage == "node-local":
+    if config.checkpoint_storage == "node-local" and mode == "fsdp":
         raise UserError(
-            f"--checkpoint-storage node-local is not supported under --data-parallel {mode} "
-            "yet (a node's folder would hold only its ranks' shards); use a shared folder"
+            "--checkpoint-storage node-local needs every node's folder to hold a whole copy, "
+            "and --data-parallel fsdp shards over every node; use --data-parallel hsdp (a "
+            "replica per node) or a shared folder"
         )
 
 

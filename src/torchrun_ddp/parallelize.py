@@ -29,7 +29,7 @@ https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html; torchtit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -209,3 +209,15 @@ def replica_groups(shape: MeshShape) -> list[list[int]]:
     be equal after a resume. fsdp: every rank alone."""
     world = shape.replicate * shape.shard
     return [list(range(index, world, shape.shard)) for index in range(shape.shard)]
+
+
+def holds_whole_replicas(domains: Sequence[Sequence[int]], shape: MeshShape) -> bool:
+    """Whether every storage domain (the ranks that see one checkpoint folder) holds whole
+    shard groups, so that DCP in the domain's group writes a complete copy of the sharded state
+    into its folder (ranks are numbered shard-fastest: group ``k`` is ranks ``k S .. k S + S -
+    1``)."""
+    return all(
+        {rank // shape.shard * shape.shard + i for rank in domain for i in range(shape.shard)}
+        <= set(domain)
+        for domain in domains
+    )
