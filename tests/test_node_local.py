@@ -1,10 +1,12 @@
 """Checkpoints with a folder per node (--checkpoint-storage auto): 4 real gloo ranks as 2 nodes
 of 2, each node with its own --checkpoint-dir, training the hidden-64 LLaMA through the real
 trainer. A node whose folder is wiped gets the checkpoint from its peer and the run ends
-bit-identical to an uninterrupted one (dense AdamW, ZeRO-1, DeMo, SparseLoCo); lost per-rank state
-is rebuilt where it can be (DeMo) and refused in one line where not (ZeRO-1); a folder with an
-older newest step makes every rank resume the common step; a node that joins with an empty folder
-is served at the new world size. The torchrun agents' own kill and restart: test_faults.py."""
+bit-identical to an uninterrupted one (dense AdamW, ZeRO-1, DeMo, SparseLoCo, and under
+--data-parallel hsdp with a replica per node AdamW and DeMo, whose momentum is per replica);
+lost per-rank state is rebuilt where it can be (DeMo) and refused in one line where not
+(ZeRO-1); a folder with an older newest step makes every rank resume the common step; a node
+that joins with an empty folder is served at the new world size. The torchrun agents' own kill
+and restart: test_faults.py."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import pytest
 from distributed_harness import PEAK, REPO, logged_losses, run_distributed
 from tiny_models import digest, train_in_group
 
+from torchrun_ddp.compression.replicas import local_shard
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.parallelize import unwrap
 
 pytestmark = pytest.mark.slow  # several 4-rank training runs
 
@@ -26,7 +30,9 @@ METHODS = {
     "zero1": ["--zero1"],
     "demo": ["--optimizer", "demo", "--compression", "none"],
     "sparseloco": ["--optimizer", "sparseloco", "--local-steps", "3", "--compression", "none"],
-}
+    "hsdp": ["--data-parallel", "hsdp", "--compression", "none"],
+    "hsdp-demo": ["--data-parallel", "hsdp", "--optimizer", "demo", "--compression", "none"],
+}  # fmt: skip
 
 
 def _argv(base: Path, node: int, steps: int, extra: list[str]) -> list[str]:
@@ -68,7 +74,7 @@ def _train(
         return {"error": str(exc)}
     finally:
         logging.getLogger("torchrun_ddp").removeHandler(warnings)
-    params = {name: p for name, p in trainer.model.module.named_parameters()}
+    params = {name: local_shard(p) for name, p in unwrap(trainer.model).named_parameters()}
     return {"digest": digest(params), "step": trainer.step, "warnings": warnings.lines}
 
 

@@ -30,6 +30,7 @@ from torchrun_ddp.parallelize import (
     MeshShape,
     build_mesh,
     clip_grad_norm,
+    holds_whole_replicas,
     load_from_rank0,
     mesh_shape,
     rank0_weights,
@@ -294,3 +295,13 @@ def test_hsdp_plan_puts_only_the_hook_across_replicas() -> None:
     across = fsdp_native - fsdp_hooked
     assert across == pytest.approx(6_738_415_616 * 4 / 8 / 1e6, rel=0.01)
     assert hook == pytest.approx(across / 2, rel=0.01), (hook, across)
+
+
+def test_a_folder_per_node_must_hold_whole_replicas() -> None:
+    """Under hsdp every storage domain must hold whole shard groups (ranks shard-fastest), so
+    that DCP in the domain's group writes every shard into its folder."""
+    nodes = [(0, 1), (2, 3)]
+    assert holds_whole_replicas(nodes, MeshShape(2, 2))
+    assert holds_whole_replicas(nodes, MeshShape(4, 1))
+    assert not holds_whole_replicas(nodes, MeshShape(1, 4))
+    assert not holds_whole_replicas([(0, 2), (1, 3)], MeshShape(2, 2))
