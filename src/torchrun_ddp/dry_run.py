@@ -84,9 +84,10 @@ def plan_run(
     adapters: tuple[int, ...] = ()
     if config.peft == "lora":
         adapters = tuple(math.prod(shape) for shape in trained_shapes(config, model_config))
+    degree = planned_shard_degree(config, world_size)  # a hook on hsdp's replicas: the shards
     state, buffers = state_bytes(  # DDP buckets only what is trained: the adapters under LoRA
         compression_settings(config),
-        list(adapters) or sizes,
+        list(adapters) or [math.ceil(size / degree) for size in sizes],
         world_size,
         config.ddp_bucket_cap_mb * 2**20,
     )
@@ -306,19 +307,34 @@ def communication_plan(
     return "\n".join([header, *sharded_traffic(config, shapes, topo, method), table])
 
 
-def sharded_traffic(
+@dataclasses.dataclass(frozen=True)
+class ShardedTraffic:
+    """Wire bytes one rank sends per optimizer step under --data-parallel fsdp/hsdp: ``within``
+    its shard group (FSDP's all-gathers and reduce-scatter) and ``across`` the groups (native
+    hsdp: FSDP's all-reduce of the shards; ``hooked``: the method's own exchange on the
+    replicas); ``shard`` ranks per group, ``replicas`` groups. ``fsdp``: FSDP's own bytes."""
+
+    within: float
+    across: float
+    hooked: bool
+    shard: int
+    replicas: int
+
+    @property
+    def fsdp(self) -> float:
+        """FSDP's collectives (native hsdp: its all-reduce across the groups included)."""
+        return self.within if self.hooked else self.within + self.across
+
+
+def sharded_traffic_bytes(
     config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology, method: Method
-) -> list[str]:
-    """Under --data-parallel fsdp/hsdp, one line: FSDP's wire bytes per rank and step
-    (``compression.sharded_step_bytes``: every micro-batch all-gathers the units, layers twice
-    and the root once, then the gradients are reduce-scattered, under hsdp also all-reduced over
-    the replicas); the table's rows are then DDP's comm hooks, for comparison. Under hsdp with a
-    comm hook on the replicas (``Method.exchanges_replicas``), FSDP stays within each group and
-    a second line gives the hook's bytes across the replicas: its estimate for the shard's
-    shapes (FSDP2 splits dim 0: ``ceil(rows / S)`` rows) on a ring of the R replicas. [] under
-    ddp."""
-    if config.data_parallel == "ddp":
-        return []
+) -> ShardedTraffic:
+    """FSDP's wire bytes per rank and step (``compression.sharded_step_bytes``: every
+    micro-batch all-gathers the units, layers twice and the root once, then the gradients are
+    reduce-scattered, under native hsdp also all-reduced over the replicas). Under hsdp with a
+    method on the replicas (``Method.exchanges_replicas``) FSDP stays within each group, and
+    ``across`` is the method's estimate for the shard's shapes (FSDP2 splits dim 0: ``ceil(rows
+    / S)`` rows) on a ring of the R replicas."""
     world, sizes = topo.world_size, [math.prod(shape) for shape in shapes]
     parameters = sum(sizes)
     shard = planned_shard_degree(config, world)
@@ -332,22 +348,38 @@ def sharded_traffic(
         gather_bytes=4 if config.precision == "fp32" else 2,
         reduce_bytes=PRECISION_DTYPES[config.precision].itemsize,
     )
-    wire, _ = sharded_step_bytes(exchange)
-    lines = [
-        f"--data-parallel {config.data_parallel} ({world // shard} x {shard} ranks): FSDP sends "
-        f"{wire / 1e6:.4g} MB per rank per step (all-gathers of every micro-batch, one "
-        "reduce-scatter"
-        + ("" if hooked else ", and under hsdp the shards' all-reduce across replicas")
-        + "); the rows below are DDP's comm hooks, for comparison"
-    ]
+    within, _ = sharded_step_bytes(dataclasses.replace(exchange, replicate=1))
+    across = sharded_step_bytes(exchange)[0] - within
     if hooked:
         replicas = dataclasses.replace(topo, world_size=world // shard, per_node=1)
         bucket = config.ddp_bucket_cap_mb * 2**20
-        hook = method.step_estimate(shard_shapes(config, shapes, world), replicas, bucket)
+        estimate = method.step_estimate(shard_shapes(config, shapes, world), replicas, bucket)
+        across = estimate.wire_bytes
+    return ShardedTraffic(within, across, hooked, shard, world // shard)
+
+
+def sharded_traffic(
+    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology, method: Method
+) -> list[str]:
+    """Under --data-parallel fsdp/hsdp, FSDP's line of :func:`sharded_traffic_bytes` (the
+    table's rows are then DDP's comm hooks, for comparison) and, with a method on hsdp's
+    replicas, its line across them. [] under ddp."""
+    if config.data_parallel == "ddp":
+        return []
+    bytes_ = sharded_traffic_bytes(config, shapes, topo, method)
+    lines = [
+        f"--data-parallel {config.data_parallel} ({bytes_.replicas} x {bytes_.shard} ranks): "
+        f"FSDP sends {bytes_.fsdp / 1e6:.4g} MB per rank per step (all-gathers of every "
+        "micro-batch, one reduce-scatter"
+        + ("" if bytes_.hooked else ", and under hsdp the shards' all-reduce across replicas")
+        + "); the rows below are DDP's comm hooks, for comparison"
+    ]
+    if bytes_.hooked:
         lines.append(
-            f"{method.describe()} across the {world // shard} replicas: "
-            f"{hook.wire_bytes / 1e6:.4g} MB per rank per step, each rank its 1/{shard} shard "
-            "(the method's estimate for the shard's shapes; only this crosses between groups)"
+            f"{method.describe()} across the {bytes_.replicas} replicas: "
+            f"{bytes_.across / 1e6:.4g} MB per rank per step, each rank its 1/{bytes_.shard} "
+            "shard (the method's estimate for the shard's shapes; only this crosses between "
+            "groups)"
         )
     return lines
 
