@@ -96,12 +96,10 @@ def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> lis
     for name, extra in runs.items():
         argv = _args(Path(data), root / name, *extra)
         model = train_in_group(rank, world_size, argv, per_node=2).model
-        out.append(
-            (
-                _shard_digest(model),
-                {tuple(p.device_mesh.mesh.flatten().tolist()) for p in model.parameters()},
-            )
-        )
+        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in model.parameters()}
+        out.append((_shard_digest(model), meshes))
+    ddp = ("--data-parallel", "ddp", "--max-steps", str(STOP))
+    train_in_group(rank, world_size, _args(Path(data), root / "2x2-ddp", *ddp), per_node=2)
     return out
 
 
@@ -176,9 +174,14 @@ def test_two_nodes_of_two_ranks_compress_across_the_nodes(
 ) -> None:
     """hsdp on 2 nodes x 2 ranks, with dct, DiLoCo, SparseLoCo and DeMo: FSDP's collectives stay
     within each node (its mesh is the node's ranks), the ranks holding the same shard on the two
-    nodes end bit-identical, and the final export loads. A plain hsdp checkpoint of 2 x 2
-    resumes as 1 x 2 and as 2 x 1 with the same weights, bit for bit (DCP reshards)."""
+    nodes end bit-identical, and the final export loads. Plain hsdp on 2 x 2 logs DDP's losses
+    on 4 ranks (gradient accumulation 2), and its checkpoint resumes as 1 x 2 and as 2 x 1 with
+    the same weights, bit for bit (DCP reshards)."""
     results = run_distributed(_two_by_two_worker, 4, str(sample_data), tmp_path, timeout=600)
+    native, ddp = logged_losses(tmp_path / "2x2-none"), logged_losses(tmp_path / "2x2-ddp")
+    assert sorted(native) == sorted(ddp) == list(range(1, STOP + 1))
+    for step in ddp:  # 2 x 2 hsdp is DDP on 4 ranks, to fp32 tolerance
+        assert native[step] == pytest.approx(ddp[step], rel=1e-4), step
     for degree in ("2", "1"):  # the 2 x 2 checkpoint of step STOP resumed as 1 x 2 and 2 x 1
         run_distributed(_reshaped_worker, 2, str(sample_data), tmp_path, degree, timeout=300)
         resumed = final_weights(tmp_path / f"resumed-{degree}")
