@@ -64,7 +64,8 @@ class Setting:
     minimal: bool = False
     """The hand-written loop of ``benchmarks/minimal_ddp.py`` instead of ``train.py``."""
     data_parallel: str = "ddp"
-    """``--data-parallel`` (``fsdp``: FSDP2 over every rank)."""
+    """``--data-parallel`` (``fsdp``: FSDP2 over every rank; ``hsdp``: 2 replicas, each sharded
+    over half the processes)."""
 
     def flags(self) -> list[str]:
         """``train.py`` flags of this setting (besides the shared ones)."""
@@ -72,6 +73,8 @@ class Setting:
         flags += ["--compression", self.compression]
         flags += ["--ddp-static-graph"] if self.static_graph else []
         flags += ["--data-parallel", self.data_parallel]
+        if self.data_parallel == "hsdp":  # 2 replicas (the CPU stand-in for 2 nodes)
+            flags += ["--shard-degree", str(max(1, self.processes // 2))]
         return [*flags, "--compile"] if self.compile else flags
 
     @property
@@ -86,8 +89,8 @@ class Setting:
 
 
 def _setting(name: str) -> Setting:
-    """Parse ``PxT-precision[-compile][-dct][-static][-fsdp]`` or ``PxT-fp32-minimal`` (the
-    hand-written loop), e.g. ``2x1-bf16-compile-dct`` or ``2x1-bf16-fsdp``."""
+    """Parse ``PxT-precision[-compile][-dct][-static][-fsdp|-hsdp]`` or ``PxT-fp32-minimal``
+    (the hand-written loop), e.g. ``2x1-bf16-compile-dct`` or ``2x1-bf16-fsdp``."""
     shape, *rest = name.split("-")
     processes, threads = (int(part) for part in shape.split("x"))
     precision = {"fp32": "fp32", "bf16": "bf16-mixed"}[rest[0]]
@@ -97,7 +100,7 @@ def _setting(name: str) -> Setting:
         raise SystemExit(f"error: {name}: the minimal loop runs fp32 only; use PxT-fp32-minimal")
     return Setting(
         name, processes, threads, precision, "compile" in rest, compression, "static" in rest,
-        minimal, "fsdp" if "fsdp" in rest else "ddp",
+        minimal, next((mode for mode in ("fsdp", "hsdp") if mode in rest), "ddp"),
     )  # fmt: skip
 
 
@@ -119,7 +122,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    shapes = "PxT-fp32|bf16[-compile][-dct][-static][-fsdp]"
+    shapes = "PxT-fp32|bf16[-compile][-dct][-static][-fsdp|-hsdp]"
     add("--settings", default=DEFAULT_SETTINGS, help=f"comma list of {shapes}")
     add("--steps", type=int, default=40, help="optimizer steps per run")
     add("--warmup", type=int, default=10, help="first steps left out of the medians")
