@@ -396,9 +396,10 @@ class TrainConfig:
     powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank gradient approximation.")
     data_parallel: str = _opt(
         "ddp",
-        "ddp: every rank holds the whole model (DDP); fsdp: weights, gradients and AdamW state "
-        "sharded over all ranks (FSDP2); hsdp: sharded within --shard-degree ranks, replicated "
-        "across those groups (see docs/sharded.md).",
+        "ddp: every rank holds the whole model (DDP); fsdp: weights, gradients and optimizer "
+        "state sharded over all ranks (FSDP2); hsdp: sharded within --shard-degree ranks, "
+        "replicated across those groups, which exchange through FSDP's all-reduce, the "
+        "--compression hook or DeMo's, DiLoCo's or SparseLoCo's own exchange (docs/sharded.md).",
         choices=["ddp", "fsdp", "hsdp"],
     )
     shard_degree: int = _opt(
