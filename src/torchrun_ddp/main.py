@@ -108,12 +108,9 @@ def start(
     root, storage = checkpoint_root(config), checkpoint_storage(config, env)
     metrics = Path(config.output_dir) / "metrics.jsonl"
     flags = StartFlags(
-        config.resume,
-        config.resume_from,
-        config.overwrite_output_dir,
-        restarted,
+        config.resume, config.resume_from, config.overwrite_output_dir, restarted,
         config.verify_checkpoints,
-    )
+    )  # fmt: skip
     rebuild = partial(rebuild_problem, config)
     plan = agree_on_start(root, storage, flags, rebuild, partial(check_records, metrics))
     trained = resumed_config(config, env, plan)  # the resumed shape, before anything is built

@@ -1,6 +1,6 @@
 """Dry-run memory and FLOP plan for DDP training of a causal LM: bytes per rank, before a run.
 
-One concern in about 600 lines, kept whole on purpose: every row (weights, gradients, optimizer,
+One concern in about 610 lines, kept whole on purpose: every row (weights, gradients, optimizer,
 activations, LoRA, FSDP shards) feeds the same four-moment peak below, and a row read apart from
 that peak would invite the sum-of-rows mistake the plan exists to avoid.
 
@@ -32,9 +32,9 @@ buckets and optimizer state are counted exactly for every architecture. LoRA
 (``PlanSettings.adapter_sizes``): frozen base weights (bf16, or fp32 under fp32), fp32 adapters
 with their gradients and AdamW moments; activations are full fine-tuning's estimate for a bf16
 residual stream (approximate: frozen linears save less, adapters add rank-wide tensors).
-Which setting changes make a plan fit, and several plans side by side: ``plan.fit``. This
-module stays a little over 500 lines on purpose: the settings, the byte tables, the activation
-derivation and the plan (full and LoRA) are one calculation, read top to bottom.
+Which setting changes make a plan fit, and several plans side by side: ``plan.fit``. The
+settings, the byte tables, the activation derivation and the plans (full, LoRA, FSDP-sharded)
+are one calculation, read top to bottom.
 
 Sources: DDP buckets, https://pytorch.org/docs/stable/notes/ddp.html; ZeRO stage 1, Rajbhandari
 et al. 2020 and ``torch.distributed.optim.ZeroRedundancyOptimizer``; activation accounting in
