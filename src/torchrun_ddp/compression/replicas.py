@@ -106,19 +106,20 @@ class ReplicaExchange:
         self.state.bf16_transport = bf16_transport(settings, group, self.parameters[0].device)
         self.bucket_cap_bytes = bucket_cap_bytes
 
-    def _buckets(self) -> list[list[torch.nn.Parameter]]:
-        """Trained parameters with a non-empty shard, grouped in model order up to the cap."""
-        buckets: list[list[torch.nn.Parameter]] = [[]]
+    def _buckets(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor]]]:
+        """(parameter, its gradient shard) of the trained parameters with a non-empty shard,
+        grouped in model order up to the cap."""
+        buckets: list[list[tuple[torch.nn.Parameter, torch.Tensor]]] = [[]]
         size = 0
         for param in self.parameters:
-            if param.grad is None or local_shard(param.grad).numel() == 0:
+            shard = None if param.grad is None else local_shard(param.grad)
+            if shard is None or shard.numel() == 0:
                 continue
-            nbytes = local_shard(param.grad).numel() * 4
-            if buckets[-1] and size + nbytes > self.bucket_cap_bytes:
+            if buckets[-1] and size + shard.numel() * 4 > self.bucket_cap_bytes:
                 buckets.append([])
                 size = 0
-            buckets[-1].append(param)
-            size += nbytes
+            buckets[-1].append((param, shard))
+            size += shard.numel() * 4
         return [bucket for bucket in buckets if bucket]
 
     def average(self) -> None:
@@ -126,8 +127,8 @@ class ReplicaExchange:
         the replicas, as the comm hook computes it (compressed, with error feedback). Every
         replica holds the same shard shapes, so the buckets and collectives line up."""
         buckets = self._buckets()
-        for index, params in enumerate(buckets):
-            shards = [local_shard(param.grad) for param in params]
+        for index, pairs in enumerate(buckets):
+            params, shards = [param for param, _ in pairs], [shard for _, shard in pairs]
             bucket = ShardBucket(index, index == len(buckets) - 1, params, shards)
             averaged = compression_hook(self.state, bucket).wait()  # type: ignore[arg-type]
             if averaged.data_ptr() != bucket.buffer().data_ptr():
