@@ -20,6 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from transformers import PretrainedConfig  # noqa: E402
+
 from torchrun_ddp.config import TrainConfig  # noqa: E402
 from torchrun_ddp.config_io import parse_config  # noqa: E402
 from torchrun_ddp.dry_run import plan_run, sharded_traffic_bytes, trained_shapes  # noqa: E402
@@ -52,10 +54,11 @@ METHODS = {
 BASE = ("--config", str(REPO / "configs" / "llama2_7b.toml"), "--zero1", "false")
 
 
-def _traffic_mb(config: TrainConfig, nodes: int, per_node: int) -> tuple[str, str]:
+def _traffic_mb(
+    config: TrainConfig, model: PretrainedConfig, nodes: int, per_node: int
+) -> tuple[str, str]:
     """(MB a rank sends per step within its node, across the nodes). A ring that spans nodes
     (DDP's all-reduce, fsdp's collectives on several nodes) counts as across."""
-    model = llama2_7b_config()
     shapes = trained_shapes(config, model)
     world = nodes * per_node
     topo = Topology(world, per_node, config.plan_intra_node_gbit * 1e9, 1e11)
@@ -72,7 +75,7 @@ def _traffic_mb(config: TrainConfig, nodes: int, per_node: int) -> tuple[str, st
 
 def rows() -> list[str]:
     """One Markdown row per cluster shape and method."""
-    out = []
+    out, model = [], llama2_7b_config()
     for nodes, per_node, gib in CLUSTERS:
         world = nodes * per_node
         for label, flags in METHODS.items():
@@ -81,8 +84,8 @@ def rows() -> list[str]:
             config = parse_config(argv)
             if config.data_parallel == "hsdp" and nodes == 1 and "FSDP" not in label:
                 continue  # one node is one replica: nothing to exchange across
-            plan, _ = plan_run(config, llama2_7b_config(), world, gib)
-            within, across = _traffic_mb(config, nodes, per_node)
+            plan, _ = plan_run(config, model, world, gib)
+            within, across = _traffic_mb(config, model, nodes, per_node)
             verdict = "fits" if plan.fits else f"short {-plan.headroom / 2**30:.1f} GiB"
             shape = f"{nodes} x {per_node} x {gib:g} GiB"
             total = plan.total / 2**30

@@ -5,7 +5,6 @@ payload crosses the replicate group (bytes counted), and the error feedback resu
 
 from __future__ import annotations
 
-import hashlib
 import math
 import shutil
 from pathlib import Path
@@ -24,6 +23,8 @@ from torchrun_ddp.compression import dct_payload_bytes, wire_bytes
 from torchrun_ddp.compression.replicas import local_shard
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.model import load_model_config
+from torchrun_ddp.plan.architecture import meta_model
 
 pytestmark = pytest.mark.slow  # trains on 2 and 4 spawned ranks
 
@@ -57,12 +58,8 @@ def _args(data: Path, output: Path, *extra: str) -> list[str]:
 
 
 def _shard_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of this rank's weight shards (equal on the ranks that hold the same shards)."""
-    sha = hashlib.sha256()
-    for name, param in model.named_parameters():
-        sha.update(name.encode())
-        sha.update(local_shard(param).detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return sha.hexdigest()
+    """``digest`` of this rank's weight shards (equal on the ranks that hold the same shards)."""
+    return digest({name: local_shard(p) for name, p in model.named_parameters()})
 
 
 def _hooks_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str, str]:
@@ -153,11 +150,7 @@ def test_only_the_hooks_payload_crosses_the_replicas(runs: tuple[Path, list]) ->
 
 
 def _parameter_shapes() -> list[tuple[int, ...]]:
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
-
-    config = AutoConfig.from_pretrained(tiny_model_path("llama"))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(load_model_config(str(tiny_model_path("llama"))))
     return [tuple(p.shape) for p in model.parameters()]
 
 
