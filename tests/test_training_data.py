@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import signal
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +21,7 @@ from torchrun_ddp.training_data import (
     build_loader,
     load_tokenizer,
     open_documents,
+    own_process_group,
     resolve_files,
     shard_for_rank,
 )
@@ -179,3 +186,53 @@ def test_bad_data_files_are_one_line_errors_naming_the_file(
     text = str(info.value)
     assert text.startswith(f"--eval-files {tmp_path / name} ") and message in text, text
     assert "\n" not in text
+
+
+def _data_worker(ready: multiprocessing.synchronize.Event) -> None:
+    own_process_group(0)  # what the training loader's worker runs first
+    ready.set()
+    time.sleep(600)
+
+
+def _training_process(pids: multiprocessing.SimpleQueue) -> None:
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
+    worker = context.Process(target=_data_worker, args=(ready,))
+    worker.start()
+    ready.wait(60)
+    pids.put(worker.pid)
+    time.sleep(600)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left for init to reap counts as ended)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(2) is Linux's")
+def test_the_data_worker_dies_at_once_with_a_killed_training_process() -> None:
+    """The loader's worker has a process group of its own (torchrun's killpg must not reach
+    it), and still ends when its training process is SIGKILLed: here it would otherwise sleep
+    its 600 s, and in training hold the rank's gloo sockets open for DataLoader's 5 s watchdog."""
+    context = multiprocessing.get_context("fork")
+    pids = context.SimpleQueue()
+    parent = context.Process(target=_training_process, args=(pids,))
+    parent.start()
+    try:
+        worker = pids.get()
+        assert os.getpgid(worker) == worker  # its own process group
+        assert _alive(worker)
+    finally:
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.join(30)
+    deadline = time.monotonic() + 30
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outlived = _alive(worker)
+    if outlived:
+        os.kill(worker, signal.SIGKILL)
+    assert not outlived, "the data worker outlived its training process"

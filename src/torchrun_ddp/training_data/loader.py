@@ -5,7 +5,11 @@ process, off the training thread, with its position in every checkpoint.
 from __future__ import annotations
 
 import copy
+import ctypes
+import multiprocessing
 import os
+import signal
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -17,6 +21,9 @@ from transformers import PreTrainedTokenizerBase
 from torchrun_ddp.errors import DataError
 from torchrun_ddp.training_data.formats import ExampleFormat
 from torchrun_ddp.training_data.global_order import GlobalPackedWindows, reshard_positions
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option number (linux/prctl.h): the signal a process gets when its parent dies."""
 
 
 class TrainLoader:
@@ -91,15 +98,29 @@ class TrainLoader:
 
 
 def own_process_group(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: move the worker into a process group of its own.
+    """DataLoader ``worker_init_fn``: move the worker into a process group of its own, and make
+    it die with the training process that forked it.
 
     torchrun stops a worker with ``killpg`` (SIGTERM, later SIGKILL) and a terminal's Ctrl-C
     reaches its whole process group. The training process turns SIGTERM/SIGINT into a checkpoint
     and a clean exit, so the data worker must not die first (the loader would raise "DataLoader
-    worker is killed by signal"); it ends with its loader, or by DataLoader's watchdog within
-    seconds after the training process is gone.
+    worker is killed by signal"); it ends with its loader. When the training process itself is
+    killed (SIGKILL, the OOM killer), Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``,
+    prctl(2)) kills the worker at once. Without it the worker lives until DataLoader's watchdog
+    notices (it looks every ``MP_STATUS_CHECK_INTERVAL``, 5 s) and meanwhile holds its forked
+    copies of the rank's gloo sockets open, so the other ranks' collectives fail only then
+    instead of at once, and torchrun restarts the group seconds later. Elsewhere than Linux only
+    the process group changes.
     """
     os.setpgid(0, 0)
+    if not sys.platform.startswith("linux"):
+        return
+    parent = multiprocessing.parent_process()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        return  # the watchdog still ends the worker, only later
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the training process died before the signal was armed
 
 
 def data_position(state: Mapping[str, object]) -> Mapping[str, object]:
