@@ -4,18 +4,24 @@ Two modes, both printing Markdown (from the repository root)::
 
     uv run python benchmarks/memory.py                      # measure every setting (2 CPU ranks)
     uv run python benchmarks/memory.py --settings fp32 bf16 --steps 3
+    uv run python benchmarks/memory.py --model configs/llama-8m/config.json --world-size 4 \
+        --settings fp32 fsdp-fp32 hsdp-fp32        # another model, 4 ranks (hsdp: 2 x 2)
     uv run python benchmarks/memory.py --plans              # LLaMA-2-7B plan tables, no training
 
-Measuring (default mode). Two ranks are spawned once (``multiprocessing`` spawn, gloo on
-loopback, one thread each) and measure the settings in turn, each in its own profiler window
-that starts from nothing of the previous setting (its tensors are all freed; the method checks
-line shows it). For each setting each rank builds the pieces as ``main.build_trainer`` does
-(``build_model`` from ``configs/llama-tiny/config.json`` with a random init,
-``enable_activation_checkpointing``, ``wrap_ddp``, ``register_compression`` with method
-``none``, ``build_optimizer``) and runs ``--steps`` optimizer steps the way
-``main.optimizer_step`` does: forward under ``autocast_context``, backward, ``clip_grad_norm_``,
-``step()``, ``zero_grad(set_to_none=True)``. The inputs are random token ids of shape
-``[micro_batch, seq_length]`` (int64) instead of C4 windows: memory depends on shapes only.
+Measuring (default mode). ``--world-size`` ranks (default 2) are spawned once (``multiprocessing``
+spawn, gloo on loopback, one thread each) and measure the settings in turn, each in its own
+profiler window that starts from nothing of the previous setting (its tensors are all freed; the
+method checks line shows it). For each setting each rank builds the pieces as
+``main.build_trainer`` does (``build_model`` from ``--model``, by default
+``configs/llama-tiny/config.json``, with a random init, ``enable_activation_checkpointing``, then
+``wrap_ddp`` with ``register_compression`` of method ``none``, or for ``fsdp``/``hsdp``
+``build.build_sharded_model``'s steps: rank 0 builds the weights, the others the shapes on the meta
+device, ``shard_model`` over the mesh (hsdp: ``--shard-degree`` ranks per replica, FSDP's own
+replicate all-reduce), ``load_from_rank0``; then ``build_optimizer``) and runs ``--steps``
+optimizer steps the way ``main.optimizer_step`` does: forward under ``autocast_context``, backward,
+``clip_grad_norm_``, ``step()``, ``zero_grad(set_to_none=True)``. The inputs are random token ids
+of shape ``[--micro-batch, --seq-length]`` (int64) instead of C4 windows: memory depends on shapes
+only.
 
 What "memory" means here: the bytes of live tensors, the CPU counterpart of
 ``torch.cuda.max_memory_allocated``, which is what ``plan_memory(..., overhead_gib=0)``
@@ -81,6 +87,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import PretrainedConfig
 
 from torchrun_ddp.compression import CompressionSettings, register_compression
+from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import (
     autocast_context,
     build_model,
@@ -89,7 +96,15 @@ from torchrun_ddp.model import (
     wrap_ddp,
 )
 from torchrun_ddp.optim import build_optimizer
-from torchrun_ddp.parallelize import MeshShape, build_mesh, clip_grad_norm, shard_model
+from torchrun_ddp.parallelize import (
+    MeshShape,
+    build_mesh,
+    clip_grad_norm,
+    load_from_rank0,
+    mesh_shape,
+    rank0_weights,
+    shard_model,
+)
 from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model, parameter_sizes
 from torchrun_ddp.plan.fit import comparison_table, suggestions
 from torchrun_ddp.plan.memory import MIB, MemoryPlan, PlanSettings, plan_memory
@@ -97,15 +112,40 @@ from torchrun_ddp.plan.memory import MIB, MemoryPlan, PlanSettings, plan_memory
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "configs" / "llama-tiny" / "config.json"
 LLAMA2_7B_TOML = REPO / "configs" / "llama2_7b.toml"
-WORLD_SIZE = 2
-MICRO_BATCH = 4
-SEQ_LENGTH = 256
-"""Micro-batch and sequence length of configs/tiny.toml (4 x 256 tokens per rank)."""
 TOLERANCE = 0.15
 """The issue's bound on |plan - measured| / measured."""
 MARK = "memory-benchmark:"
 """Prefix of the ``record_function`` markers that delimit the phases of a step."""
 PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every setting of one measurement shares: the model config, the ranks, and the
+    micro-batch of random token ids (int64 ``[micro_batch, seq_length]`` per rank). The
+    defaults are configs/tiny.toml's tiny LLaMA on 2 ranks, 4 x 256 tokens."""
+
+    model: Path = TINY_MODEL
+    world_size: int = 2
+    micro_batch: int = 4
+    seq_length: int = 256
+    shard_degree: int = 2
+    """hsdp: the ranks one replica is sharded over (a simulated node)."""
+
+    def mesh(self, data_parallel: str) -> MeshShape:
+        """The mesh of ``fsdp`` or ``hsdp``, as ``parallelize.mesh_shape`` gives the trainer.
+
+        Raises UserError when ``shard_degree`` does not divide ``world_size`` under hsdp."""
+        return mesh_shape(data_parallel, self.world_size, self.shard_degree, self.shard_degree)
+
+    def describe(self) -> str:
+        """``configs/llama-8m/config.json, 4 CPU ranks, ...`` for the table's heading."""
+        model = self.model.resolve()
+        name = model.relative_to(REPO) if model.is_relative_to(REPO) else model
+        return (
+            f"{name}, {self.world_size} CPU ranks (gloo; hsdp: replicas of {self.shard_degree} "
+            f"shards), micro-batch {self.micro_batch} x {self.seq_length} tokens"
+        )
 
 
 @dataclass(frozen=True)
@@ -119,22 +159,24 @@ class Setting:
     bucket_view: bool = True
     adamw: str = "foreach"
     data_parallel: str = "ddp"
-    """ddp, or fsdp: the model sharded over both ranks (``parallelize.shard_model``)."""
+    """ddp; fsdp: the model sharded over every rank; hsdp: sharded within ``Run.shard_degree``
+    ranks and replicated across them (``parallelize.shard_model`` on the 2-D mesh)."""
 
     def label(self) -> str:
         """``bf16-mixed + zero1 + AC``, plus what differs from the defaults of this table."""
-        parts = [self.precision] + ["fsdp"] * (self.data_parallel == "fsdp")
+        parts = [self.precision] + [self.data_parallel] * (self.data_parallel != "ddp")
         parts += ["zero1"] * self.zero1 + ["AC"] * self.checkpointing
         extras = [] if self.bucket_view else ["no bucket view"]
         extras += [] if self.adamw == "foreach" else [f"{self.adamw} AdamW"]
         return " + ".join(parts) + (f" ({', '.join(extras)})" if extras else "")
 
-    def plan_settings(self) -> PlanSettings:
-        """The plan's view of this setting: 2 ranks, 4 x 256 tokens, no fixed overhead."""
+    def plan_settings(self, run: Run) -> PlanSettings:
+        """The plan's view of this setting on ``run``'s ranks and micro-batch, no fixed
+        overhead."""
         return PlanSettings(
-            world_size=WORLD_SIZE,
-            micro_batch=MICRO_BATCH,
-            seq_length=SEQ_LENGTH,
+            world_size=run.world_size,
+            micro_batch=run.micro_batch,
+            seq_length=run.seq_length,
             precision=self.precision,
             zero1=self.zero1,
             activation_checkpointing=self.checkpointing,
@@ -142,6 +184,7 @@ class Setting:
             overhead_gib=0.0,
             fused_adamw=self.adamw == "fused",
             data_parallel=self.data_parallel,
+            shard_degree=run.shard_degree if self.data_parallel == "hsdp" else 0,
         )
 
 
@@ -161,6 +204,7 @@ SETTINGS = {
         Setting("fp32-for-loop", "fp32", adamw="for-loop"),
         Setting("fsdp-fp32", "fp32", data_parallel="fsdp"),
         Setting("fsdp-bf16-mixed-ac", "bf16-mixed", checkpointing=True, data_parallel="fsdp"),
+        Setting("hsdp-fp32", "fp32", data_parallel="hsdp"),
     )
 }
 """Every measured setting by name (``--settings``), in table order."""
@@ -220,43 +264,52 @@ def _phase(name: str, step: int) -> Iterator[None]:
         yield
 
 
-def _train(setting: Setting, config: PretrainedConfig, steps: int) -> None:
-    """Build the DDP model and optimizer as ``main.build_trainer`` does, then run ``steps``
-    optimizer steps on random ``[MICRO_BATCH, SEQ_LENGTH]`` int64 token ids."""
+def _train(setting: Setting, config: PretrainedConfig, steps: int, run: Run) -> None:
+    """Build the model and optimizer as ``main.build_trainer`` does, then run ``steps``
+    optimizer steps on random ``[run.micro_batch, run.seq_length]`` int64 token ids."""
     device = torch.device("cpu")
-    model = build_model(str(TINY_MODEL), config, "random", setting.precision, 0, device)
-    if setting.checkpointing:
-        enable_activation_checkpointing(model)
-    ddp = _parallel(model, setting)
+    model, wrapped = _parallel(setting, config, run)
     optimizer = build_optimizer(model, 1e-3, 0.1, setting.adamw, setting.zero1)
     generator = torch.Generator().manual_seed(dist.get_rank())
+    shape = (run.micro_batch, run.seq_length)
     for step in range(steps):
         with _phase("step", step):
-            input_ids = torch.randint(
-                0, config.vocab_size, (MICRO_BATCH, SEQ_LENGTH), generator=generator
-            )
+            input_ids = torch.randint(0, config.vocab_size, shape, generator=generator)
             with _phase("forward", step), autocast_context(setting.precision, device):
-                loss = ddp(input_ids=input_ids, labels=input_ids).loss
+                loss = wrapped(input_ids=input_ids, labels=input_ids).loss
             with _phase("backward", step):
                 loss.backward()
             with _phase("optimizer", step):
-                clip_grad_norm(ddp, 1.0)
+                clip_grad_norm(wrapped, 1.0)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             del loss, input_ids
 
 
-def _parallel(model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
-    """``model`` in DDP with the ``none`` comm hook, or sharded over the ranks by FSDP (every
-    rank built the same seeded weights, so no scatter from rank 0 is needed here)."""
+def _parallel(
+    setting: Setting, config: PretrainedConfig, run: Run
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the model, what the loop runs): DDP with the ``none`` comm hook around a model every
+    rank built, or the model sharded by FSDP2 as ``build.build_sharded_model`` does it (rank
+    0's seeded weights, the other ranks' shapes on the meta device, scattered to the shards)."""
     device = torch.device("cpu")
-    if setting.data_parallel == "fsdp":
-        mesh = build_mesh(device, MeshShape(1, WORLD_SIZE), hybrid=False)
-        shard_model(model, mesh, setting.precision)
-        return model
-    ddp = wrap_ddp(model, device, 25.0, setting.bucket_view)
-    register_compression(ddp, CompressionSettings(method="none"))
-    return ddp
+    sharded = setting.data_parallel != "ddp"
+    host = torch.device("meta") if sharded and dist.get_rank() != 0 else device
+    model = build_model(str(run.model), config, "random", setting.precision, 0, host)
+    if setting.checkpointing:
+        enable_activation_checkpointing(model)
+    if not sharded:
+        ddp = wrap_ddp(model, device, 25.0, setting.bucket_view)
+        register_compression(ddp, CompressionSettings(method="none"))
+        return model, ddp
+    rank0_state = rank0_weights(model)
+    hybrid = setting.data_parallel == "hsdp"
+    shard_model(
+        model, build_mesh(device, run.mesh(setting.data_parallel), hybrid), setting.precision
+    )
+    load_from_rank0(model, device, rank0_state)
+    del rank0_state
+    return model, model
 
 
 def _analyse(prof: profile, rank: int, rss_growth: int) -> RankMemory:
@@ -292,31 +345,31 @@ def _analyse(prof: profile, rank: int, rss_growth: int) -> RankMemory:
     return RankMemory(rank, overall, phases, rss_growth, total, min(live, default=0))
 
 
-def _measure_one(setting: Setting, config: PretrainedConfig, steps: int) -> RankMemory:
+def _measure_one(setting: Setting, config: PretrainedConfig, steps: int, run: Run) -> RankMemory:
     """Train ``setting`` under the profiler in this rank; its memory. Everything the run
     allocated is freed before the profiler stops, so the next setting starts from nothing."""
     reset = _reset_peak_rss()
     rss_before = _status_kib("VmRSS")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _train(setting, config, steps)
+        _train(setting, config, steps, run)
         gc.collect()
     rss_growth = (_status_kib("VmHWM") - rss_before) * 1024 if reset else -1
     return _analyse(prof, dist.get_rank(), rss_growth)
 
 
 def _rank_main(
-    rank: int, port: int, settings: Sequence[Setting], steps: int, results: mp.Queue
+    rank: int, port: int, run: Run, settings: Sequence[Setting], steps: int, results: mp.Queue
 ) -> None:
     """One spawned rank: join the gloo group, measure each setting in turn, report each to
     ``results`` as ``(setting name, RankMemory.to_message())``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", rank=rank, world_size=run.world_size)
     try:
-        config = load_model_config(str(TINY_MODEL))
+        config = load_model_config(str(run.model))
         for setting in settings:
             start = time.perf_counter()
-            memory = _measure_one(setting, config, steps)
+            memory = _measure_one(setting, config, steps, run)
             results.put((setting.name, memory.to_message()))
             if rank == 0:
                 took = time.perf_counter() - start
@@ -356,22 +409,23 @@ def _collect(
 
 
 def measure(
-    settings: Sequence[Setting], steps: int, timeout_s: float
+    run: Run, settings: Sequence[Setting], steps: int, timeout_s: float
 ) -> dict[str, list[RankMemory]]:
-    """Train each setting in turn on ``WORLD_SIZE`` spawned CPU ranks (one pair of processes for
-    all, to pay the imports once); each setting's memory per rank, by setting name.
+    """Train each setting in turn on ``run.world_size`` spawned CPU ranks (one set of processes
+    for all, to pay the imports once); each setting's memory per rank, by setting name.
 
     Raises RuntimeError when a rank fails or the ranks take longer than ``timeout_s`` seconds
     in all; the ranks are killed then.
     """
     context = mp.get_context("spawn")
     results = context.Queue()
-    args = (_free_port(), list(settings), steps, results)
-    procs = [context.Process(target=_rank_main, args=(rank, *args)) for rank in range(WORLD_SIZE)]
+    args = (_free_port(), run, list(settings), steps, results)
+    ranks = range(run.world_size)
+    procs = [context.Process(target=_rank_main, args=(rank, *args)) for rank in ranks]
     for proc in procs:
         proc.start()
     try:
-        messages = _collect(procs, results, WORLD_SIZE * len(settings), timeout_s)
+        messages = _collect(procs, results, run.world_size * len(settings), timeout_s)
         for proc in procs:
             proc.join(timeout=60)
     finally:
@@ -385,11 +439,11 @@ def measure(
     return {name: sorted(ranks, key=lambda r: r.rank) for name, ranks in measured.items()}
 
 
-def tiny_plan(setting: Setting) -> MemoryPlan:
-    """``plan_memory`` for the tiny config under ``setting`` (busiest rank under zero1)."""
-    config = load_model_config(str(TINY_MODEL))
+def planned(setting: Setting, run: Run) -> MemoryPlan:
+    """``plan_memory`` for ``run``'s model under ``setting`` (busiest rank under zero1)."""
+    config = load_model_config(str(run.model))
     sizes = parameter_sizes(meta_model(config))
-    return plan_memory(config, sum(sizes), setting.plan_settings(), parameter_sizes=sizes)
+    return plan_memory(config, sum(sizes), setting.plan_settings(run), parameter_sizes=sizes)
 
 
 def _plan_phases(plan: MemoryPlan) -> dict[str, int]:
@@ -411,7 +465,7 @@ def _mib(size: float) -> str:
     return f"{size / MIB:.1f}"
 
 
-def measured_tables(rows: Sequence[tuple[Setting, list[RankMemory]]]) -> str:
+def measured_tables(rows: Sequence[tuple[Setting, list[RankMemory]]], run: Run) -> str:
     """The summary table (peak per rank against the plan), the per-phase table and the method
     checks, Markdown. Measured values are the maximum over ranks (the plan is the busiest)."""
     summary = [
@@ -424,7 +478,7 @@ def measured_tables(rows: Sequence[tuple[Setting, list[RankMemory]]]) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for setting, ranks in rows:
-        plan = tiny_plan(setting)
+        plan = planned(setting, run)
         measured = max(rank.peak for rank in ranks)
         error = (plan.total - measured) / measured
         verdict = "yes" if abs(error) <= TOLERANCE else "**no**"
@@ -433,9 +487,9 @@ def measured_tables(rows: Sequence[tuple[Setting, list[RankMemory]]]) -> str:
             f"| {setting.label()} | {_mib(measured)} | {_mib(plan.total)} | {error:+.1%} "
             f"| {verdict} | {plan.peak_phase} | {_mib(rss) if rss >= 0 else 'n/a'} |"
         )
-        planned = _plan_phases(plan)
+        plan_phases = _plan_phases(plan)
         cells = [
-            f"{_mib(max(rank.phases[name] for rank in ranks))} / {_mib(planned[name])}"
+            f"{_mib(max(rank.phases[name] for rank in ranks))} / {_mib(plan_phases[name])}"
             for name in ("start", *PHASES)
         ]
         phases.append(f"| {setting.label()} | {' | '.join(cells)} |")
@@ -503,6 +557,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="settings to measure (default: all)",
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per setting")
+    parser.add_argument(
+        "--model", type=Path, default=TINY_MODEL, help="model config.json (default: tiny LLaMA)"
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq-length", type=int, default=256, help="tokens per sequence")
+    parser.add_argument(
+        "--shard-degree", type=int, default=2, help="hsdp: ranks per replica (default 2)"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for all settings")
     return parser.parse_args(argv)
 
@@ -516,15 +579,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps < 2:
         print("--steps must be at least 2 (step 1 creates the AdamW state)", file=sys.stderr)
         return 2
+    run = Run(args.model, args.world_size, args.micro_batch, args.seq_length, args.shard_degree)
     settings = [SETTINGS[name] for name in args.settings]
-    measured = measure(settings, args.steps, args.timeout)
+    if any(s.data_parallel == "hsdp" for s in settings):
+        try:
+            run.mesh("hsdp")
+        except UserError as exc:
+            print(f"memory.py: {exc}", file=sys.stderr)
+            return 2
+    measured = measure(run, settings, args.steps, args.timeout)
     rows = [(setting, measured[setting.name]) for setting in settings]
     print(
-        f"Tiny LLaMA ({TINY_MODEL.relative_to(REPO)}), {WORLD_SIZE} CPU ranks (gloo), micro-batch "
-        f"{MICRO_BATCH} x {SEQ_LENGTH} tokens, {args.steps} optimizer steps; measured = peak live "
-        "tensor bytes (profiler, max over ranks), plan = plan_memory(overhead_gib=0).\n"
+        f"{run.describe()}, {args.steps} optimizer steps; measured = peak live tensor bytes "
+        "(profiler, max over ranks), plan = plan_memory(overhead_gib=0).\n"
     )
-    print(measured_tables(rows))
+    print(measured_tables(rows, run))
     return 0
 
 

@@ -15,6 +15,7 @@ from torchrun_ddp.config_io import parse_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import memory
 from common import Variant, all_variants, optimizer_of
 from compression import learning_rates, method_lrs, parse_args, sd_cell, seeds_needed
 
@@ -54,3 +55,21 @@ def test_method_lrs_fix_one_rate_per_method() -> None:
     assert learning_rates(args, VARIANTS["none"]) == [1e-3, 3e-3]
     with pytest.raises(SystemExit, match="not METHOD=LR"):
         method_lrs("none:7.5e-4")
+
+
+def test_the_memory_benchmark_plans_hsdp_at_its_shard_degree(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """benchmarks/memory.py's hsdp row is planned with its replicas of ``--shard-degree``
+    ranks: 2 x 2 on 4 ranks holds what fsdp holds on 2 (half of every state), and a shard
+    degree that does not divide the ranks is refused in one line before any rank starts."""
+    tiny = memory.TINY_MODEL
+    hsdp = memory.planned(memory.SETTINGS["hsdp-fp32"], memory.Run(tiny, 4, shard_degree=2))
+    fsdp_2 = memory.planned(memory.SETTINGS["fsdp-fp32"], memory.Run(tiny, 2))
+    fsdp_4 = memory.planned(memory.SETTINGS["fsdp-fp32"], memory.Run(tiny, 4))
+    assert hsdp.weights == fsdp_2.weights and hsdp.optimizer_state == fsdp_2.optimizer_state
+    assert fsdp_4.weights < hsdp.weights
+    argv = ["--settings", "hsdp-fp32", "--world-size", "4", "--shard-degree", "3"]
+    assert memory.main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--shard-degree" in error, error
