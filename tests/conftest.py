@@ -45,9 +45,10 @@ session's reference run is made once."""
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """For ``pytest -n 2 --dist loadgroup`` (pytest-xdist, opt-in): a module's tests run on one
     worker, so its module-scoped fixture (most modules' one spawn of ranks) is built once, and
-    the modules that share ``reference_run`` run on the same worker. Not the default: on 2 cores
-    the full suite took 25:28 with two workers (719 tests, load up to 10), no clear gain over
-    one worker, and twice the load on the timing-sensitive fault tests."""
+    the modules that share ``reference_run`` run on the same worker. Not the default: on 2 quiet
+    cores a fresh clone's full suite took 21:35 with two workers against 19:32 with one
+    (2026-11-26, 739 tests): two multi-rank tests at once only share the cores, and the
+    timing-sensitive fault tests get twice the load."""
     for item in items:
         name = item.module.__name__ if item.module else ""
         group = "reference_run" if name in SHARED_REFERENCE else name
