@@ -30,6 +30,7 @@ from torchrun_ddp.parallelize import (
     MeshShape,
     build_mesh,
     clip_grad_norm,
+    decoder_layers,
     holds_whole_replicas,
     load_from_rank0,
     mesh_shape,
@@ -89,6 +90,9 @@ def _runs_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str,
     for name, extra in RUNS.items():
         trainer = train_in_group(rank, world_size, _args(Path(data), root / name, *extra))
         out[name] = isinstance(trainer.model.lm_head.weight, DTensor) if name != "ddp" else None
+        blocks = decoder_layers(trainer.model)
+        out[f"{name} compiled"] = [b._compiled_call_impl is not None for b in blocks]
+        out[f"{name} graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     resumed = ("--data-parallel", "fsdp", "--max-steps", str(STOP))
     train_in_group(rank, world_size, _args(Path(data), root / "stopped", *resumed))
     if rank == 0:  # the step-STOP export, before the resumed run writes its own
@@ -108,6 +112,7 @@ RUNS = {
     "ddp": (),
     "fsdp": ("--data-parallel", "fsdp"),
     "hsdp": ("--data-parallel", "hsdp", "--shard-degree", "1"),
+    "fsdp-compiled": ("--data-parallel", "fsdp", "--compile"),
 }
 
 
@@ -144,6 +149,24 @@ def test_fsdp_and_hsdp_give_ddp_losses(runs: tuple[Path, list]) -> None:
         assert have.keys() == want.keys()
         for key, tensor in want.items():
             torch.testing.assert_close(have[key], tensor, atol=1e-4, rtol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_compiled_fsdp_compiles_each_block_and_trains_like_eager(
+    runs: tuple[Path, list],
+) -> None:
+    """--compile under fsdp: every decoder layer compiled in place (inductor on CPU), only
+    there, and the run logs eager FSDP's losses (fused kernels round differently: 1e-3)."""
+    root, results = runs
+    for rank in results:
+        assert rank["fsdp-compiled"], "not sharded"
+        assert rank["fsdp-compiled compiled"] == [True, True], rank["fsdp-compiled compiled"]
+        assert not any(rank["fsdp compiled"]), "eager fsdp compiled something"
+        assert rank["hsdp graphs"] == 0 < rank["fsdp-compiled graphs"], "no graph compiled"
+    eager, compiled = logged_losses(root / "fsdp"), logged_losses(root / "fsdp-compiled")
+    assert sorted(compiled) == sorted(eager)
+    for step, loss in eager.items():
+        assert compiled[step] == pytest.approx(loss, abs=1e-3), step
 
 
 @pytest.mark.slow
@@ -212,7 +235,6 @@ REFUSED = {
     ("--optimizer", "diloco"): "--optimizer diloco",
     ("--optimizer", "sparseloco"): "--optimizer sparseloco",
     ("--peft", "lora"): "--peft lora",
-    ("--compile",): "--compile",
     ("--ddp-static-graph", "--accumulation-steps", "1"): "--ddp-static-graph",
     ("--compression-scope", "inter-node"): "--compression-scope inter-node",
     ("--checkpoint-storage", "node-local"): "--checkpoint-storage node-local",

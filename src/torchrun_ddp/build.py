@@ -45,6 +45,7 @@ from torchrun_ddp.model import (
     PRECISION_DTYPES,
     apply_lora,
     build_model,
+    compile_blocks,
     compile_model,
     enable_activation_checkpointing,
     lora_settings,
@@ -56,6 +57,7 @@ from torchrun_ddp.model import (
 from torchrun_ddp.optim import ScheduleSettings, build_scheduler
 from torchrun_ddp.parallelize import (
     build_mesh,
+    decoder_layers,
     holds_whole_replicas,
     load_from_rank0,
     mesh_shape,
@@ -135,6 +137,8 @@ def build_sharded_model(
     units = shard_model(model, mesh if replicate is None else mesh["shard"], config.precision)
     load_from_rank0(model, device, rank0_state)
     del rank0_state
+    if config.compile:
+        compile_blocks(decoder_layers(model))
     gather_dtype = torch.bfloat16 if config.precision != "fp32" else torch.float32
     exchange = ShardedExchange(
         parameters=sum(trainable_parameter_sizes(model)),

@@ -72,8 +72,9 @@ class TrainConfig:
     )
     compile: bool = _opt(
         False,
-        "torch.compile the model (inductor) before DDP wraps it; falls back to eager with a "
-        "warning where compilation fails. Checkpoints stay loadable without compile.",
+        "torch.compile the model (inductor): under ddp the DDP module, under fsdp/hsdp each "
+        "decoder layer; falls back to eager with a warning where compilation fails. "
+        "Checkpoints stay loadable without compile.",
     )
     peft: str = _opt(
         "none",

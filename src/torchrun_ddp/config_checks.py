@@ -75,7 +75,6 @@ _NOT_SHARDED = {
     "zero1": "--zero1 shards AdamW's state over DDP replicas; --data-parallel {dp} already "
     "shards it with the weights and gradients: drop --zero1",
     "ddp_static_graph": "--ddp-static-graph is a DDP setting; drop it under --data-parallel {dp}",
-    "compile": "--compile is not supported under --data-parallel {dp} yet; drop --compile",
 }
 """Flags refused under --data-parallel fsdp/hsdp -> the one line that says so ({dp}: the mode)."""
 

@@ -304,6 +304,19 @@ def compile_model(model: torch.nn.Module) -> bool:
     return True
 
 
+def compile_blocks(blocks: list[torch.nn.Module]) -> bool:
+    """--compile under FSDP2: each block (decoder layer) compiled in place by ``compile_model``,
+    as torchtitan compiles per transformer block (``apply_compile`` in its ``parallelize.py``);
+    the root (embeddings, final norm, head, loss) runs eagerly. FSDP2's unit hooks are not traced
+    (dynamo's ``skip_fsdp_hooks``): they run eagerly around each compiled block. Returns whether
+    the blocks are compiled (False, with one warning, where dynamo cannot run)."""
+    if not blocks or not compile_model(blocks[0]):
+        return False
+    for block in blocks[1:]:
+        block.compile()
+    return True
+
+
 def autocast_context(precision: str, device: torch.device) -> AbstractContextManager[object]:
     """``torch.autocast(device.type, dtype=torch.bfloat16)`` for bf16-mixed, else a no-op.
 

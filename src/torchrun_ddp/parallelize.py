@@ -115,8 +115,7 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: str) -> Sha
     model's ``_no_split_modules``), then the root, in place; the model becomes an FSDPModule.
 
     Raises UserError for a model that names no decoder-layer class (no units to shard)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [module for module in model.modules() if type(module).__name__ in names]
+    layers = decoder_layers(model)
     if not layers:
         raise UserError(
             f"{type(model).__name__} names no decoder-layer class (_no_split_modules), so "
@@ -129,6 +128,18 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: str) -> Sha
     fully_shard(model, mesh=mesh, mp_policy=policy)
     total = sum(p.numel() for p in model.parameters())
     return ShardedUnits(len(layers), total + layer_elements)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` of a class its ``_no_split_modules`` names (a transformers
+    model's decoder layers: FSDP's units, and the blocks ``--compile`` compiles under FSDP),
+    also once ``fully_shard`` has given them its subclass (``FSDP<name>``)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [
+        module
+        for module in model.modules()
+        if any(cls.__name__ in names for cls in type(module).__mro__)
+    ]
 
 
 def rank0_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
