@@ -15,13 +15,13 @@ method checks line shows it). For each setting each rank builds the pieces as
 ``main.build_trainer`` does (``build_model`` from ``--model``, by default
 ``configs/llama-tiny/config.json``, with a random init, ``enable_activation_checkpointing``, then
 ``wrap_ddp`` with ``register_compression`` of method ``none``, or for ``fsdp``/``hsdp``
-``build.build_sharded_model``'s steps: rank 0 builds the weights, the others the shapes on the meta
-device, ``shard_model`` over the mesh (hsdp: ``--shard-degree`` ranks per replica, FSDP's own
-replicate all-reduce), ``load_from_rank0``; then ``build_optimizer``) and runs ``--steps``
-optimizer steps the way ``main.optimizer_step`` does: forward under ``autocast_context``, backward,
-``clip_grad_norm_``, ``step()``, ``zero_grad(set_to_none=True)``. The inputs are random token ids
-of shape ``[--micro-batch, --seq-length]`` (int64) instead of C4 windows: memory depends on shapes
-only.
+``build.shard_from_rank0``, as ``build.build_sharded_model`` uses it: rank 0 builds the weights,
+the others the shapes on the meta device, ``shard_model`` over the mesh (hsdp: ``--shard-degree``
+ranks per replica, FSDP's own replicate all-reduce), ``load_from_rank0``; then ``build_optimizer``)
+and runs ``--steps`` optimizer steps the way ``main.optimizer_step`` does: forward under
+``autocast_context``, backward, ``clip_grad_norm_``, ``step()``, ``zero_grad(set_to_none=True)``.
+The inputs are random token ids of shape ``[--micro-batch, --seq-length]`` (int64) instead of C4
+windows: memory depends on shapes only.
 
 What "memory" means here: the bytes of live tensors, the CPU counterpart of
 ``torch.cuda.max_memory_allocated``, which is what ``plan_memory(..., overhead_gib=0)``
@@ -86,6 +86,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import PretrainedConfig
 
+from torchrun_ddp.build import ModelSpec, shard_from_rank0
 from torchrun_ddp.compression import CompressionSettings, register_compression
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import (
@@ -96,15 +97,7 @@ from torchrun_ddp.model import (
     wrap_ddp,
 )
 from torchrun_ddp.optim import build_optimizer
-from torchrun_ddp.parallelize import (
-    MeshShape,
-    build_mesh,
-    clip_grad_norm,
-    load_from_rank0,
-    mesh_shape,
-    rank0_weights,
-    shard_model,
-)
+from torchrun_ddp.parallelize import MeshShape, build_mesh, clip_grad_norm, mesh_shape
 from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model, parameter_sizes
 from torchrun_ddp.plan.fit import comparison_table, suggestions
 from torchrun_ddp.plan.memory import MIB, MemoryPlan, PlanSettings, plan_memory
@@ -290,26 +283,21 @@ def _parallel(
     setting: Setting, config: PretrainedConfig, run: Run
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the model, what the loop runs): DDP with the ``none`` comm hook around a model every
-    rank built, or the model sharded by FSDP2 as ``build.build_sharded_model`` does it (rank
-    0's seeded weights, the other ranks' shapes on the meta device, scattered to the shards)."""
+    rank built, or the model sharded by FSDP2 from rank 0's seeded weights by
+    ``build.shard_from_rank0``, as ``build.build_sharded_model`` does."""
     device = torch.device("cpu")
-    sharded = setting.data_parallel != "ddp"
-    host = torch.device("meta") if sharded and dist.get_rank() != 0 else device
-    model = build_model(str(run.model), config, "random", setting.precision, 0, host)
+    spec = ModelSpec(str(run.model), config, "random", setting.precision, 0)
+    if setting.data_parallel != "ddp":
+        hybrid = setting.data_parallel == "hsdp"
+        mesh = build_mesh(device, run.mesh(setting.data_parallel), hybrid)
+        model, _ = shard_from_rank0(spec, device, mesh, setting.checkpointing)
+        return model, model
+    model = build_model(spec.name, config, spec.init, spec.precision, spec.seed, device)
     if setting.checkpointing:
         enable_activation_checkpointing(model)
-    if not sharded:
-        ddp = wrap_ddp(model, device, 25.0, setting.bucket_view)
-        register_compression(ddp, CompressionSettings(method="none"))
-        return model, ddp
-    rank0_state = rank0_weights(model)
-    hybrid = setting.data_parallel == "hsdp"
-    shard_model(
-        model, build_mesh(device, run.mesh(setting.data_parallel), hybrid), setting.precision
-    )
-    load_from_rank0(model, device, rank0_state)
-    del rank0_state
-    return model, model
+    ddp = wrap_ddp(model, device, 25.0, setting.bucket_view)
+    register_compression(ddp, CompressionSettings(method="none"))
+    return model, ddp
 
 
 def _analyse(prof: profile, rank: int, rss_growth: int) -> RankMemory:

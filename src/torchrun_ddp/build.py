@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -56,6 +57,7 @@ from torchrun_ddp.model import (
 )
 from torchrun_ddp.optim import ScheduleSettings, build_scheduler
 from torchrun_ddp.parallelize import (
+    ShardedUnits,
     build_mesh,
     decoder_layers,
     holds_whole_replicas,
@@ -115,6 +117,35 @@ def checkpoint_storage(config: TrainConfig, env: DistEnv) -> StorageLayout:
     return storage
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """What ``model.build_model`` builds: ``name`` (hub id or config path), its config,
+    ``init`` (pretrained or random), ``precision`` and the init ``seed``."""
+
+    name: str
+    model_config: PretrainedConfig
+    init: str
+    precision: str
+    seed: int
+
+
+def shard_from_rank0(
+    spec: ModelSpec, device: torch.device, mesh: DeviceMesh, checkpointing: bool
+) -> tuple[torch.nn.Module, ShardedUnits]:
+    """Collective: the model of ``spec`` sharded by FSDP2 over ``mesh`` (``shard_model``), with
+    one full copy in host memory: rank 0 builds the weights on the host, the other ranks the
+    shapes on the meta device, and rank 0's weights are scattered to the shards
+    (``load_from_rank0``). Activation checkpointing first when ``checkpointing``."""
+    host = torch.device("cpu") if dist.get_rank() == 0 else torch.device("meta")
+    model = build_model(spec.name, spec.model_config, spec.init, spec.precision, spec.seed, host)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    rank0_state = rank0_weights(model)
+    units = shard_model(model, mesh, spec.precision)
+    load_from_rank0(model, device, rank0_state)
+    return model, units
+
+
 def build_sharded_model(
     config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv, method: Method
 ) -> tuple[torch.nn.Module, CompressionState]:
@@ -122,21 +153,15 @@ def build_sharded_model(
     and the method's state for it (``Method.register_sharded``). Rank 0 builds the weights
     (seeded as under DDP, or pretrained) on the host, the other ranks the shapes on the meta
     device; rank 0's weights are then scattered to the shards."""
-    host = torch.device("cpu") if env.rank == 0 else torch.device("meta")
-    model = build_model(
-        config.model, inputs.model_config, config.init, config.precision, config.seed, host
-    )
-    if config.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    rank0_state = rank0_weights(model)
     shape = mesh_shape(
         config.data_parallel, env.world_size, env.local_world_size, config.shard_degree
     )
     mesh = build_mesh(device, shape, hybrid=config.data_parallel == "hsdp")
     replicate = mesh.get_group("replicate") if method.exchanges_replicas(mesh.ndim) else None
-    units = shard_model(model, mesh if replicate is None else mesh["shard"], config.precision)
-    load_from_rank0(model, device, rank0_state)
-    del rank0_state
+    model, units = shard_from_rank0(
+        ModelSpec(config.model, inputs.model_config, config.init, config.precision, config.seed),
+        device, mesh if replicate is None else mesh["shard"], config.activation_checkpointing,
+    )  # fmt: skip
     if config.compile:
         compile_blocks(decoder_layers(model))
     gather_dtype = torch.bfloat16 if config.precision != "fp32" else torch.float32

@@ -69,7 +69,7 @@ def plan_settings(
         adapter_sizes=adapter_sizes,
         optimizer=config.optimizer,
         data_parallel=config.data_parallel,
-        shard_degree=config.shard_degree or min(config.plan_gpus_per_node, world_size),
+        shard_degree=planned_shard_degree(config, world_size),
     )
 
 
@@ -84,10 +84,10 @@ def plan_run(
     adapters: tuple[int, ...] = ()
     if config.peft == "lora":
         adapters = tuple(math.prod(shape) for shape in trained_shapes(config, model_config))
-    degree = planned_shard_degree(config, world_size)  # a hook on hsdp's replicas: the shards
-    state, buffers = state_bytes(  # DDP buckets only what is trained: the adapters under LoRA
-        compression_settings(config),
-        list(adapters) or [math.ceil(size / degree) for size in sizes],
+    shards = shard_shapes(config, [tuple(p.shape) for p in model.parameters()], world_size)
+    state, buffers = state_bytes(  # DDP buckets only what is trained: the adapters under LoRA;
+        compression_settings(config),  # a hook on hsdp's replicas: the shards
+        list(adapters) or [math.prod(shape) for shape in shards],
         world_size,
         config.ddp_bucket_cap_mb * 2**20,
     )
