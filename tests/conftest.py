@@ -1,8 +1,11 @@
-"""Shared pytest fixtures: the C4 sample and tokenizer bundled in the repository's data/, and the
-uninterrupted reference run that the fault and resume tests compare with."""
+"""Shared pytest fixtures: the C4 sample and tokenizer bundled in the repository's data/, the
+uninterrupted reference run that the fault and resume tests compare with, and a copy of the
+repository with nothing beside it."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +38,27 @@ def reference_run(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(logged_losses(output_dir)) == list(range(1, REFERENCE_STEPS + 1))
     return output_dir
+
+
+@pytest.fixture(scope="session")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The committable tree of this checkout (tracked files plus untracked files that are not
+    ignored), copied into an otherwise empty folder: no shared data folder beside it.
+    tests/test_end_to_end.py trains the quick start in it, tests/test_fresh_clone.py runs a
+    data test module in it."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: nothing to clone")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.decode()  # fmt: skip
+    target = tmp_path_factory.mktemp("alone") / "torchrun-ddp"
+    for name in filter(None, listed.split("\0")):
+        if (REPO / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, target / name)
+    assert list(target.parent.iterdir()) == [target], "nothing beside the copy"
+    return target
 
 
 SHARED_REFERENCE = {"test_faults", "test_resume"}

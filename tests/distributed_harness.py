@@ -60,6 +60,15 @@ def subprocess_env(shared_store: bool = True) -> dict[str, str]:
     return env if shared_store else {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def clone_env(clone: Path) -> dict[str, str]:
+    """The environment for a process in conftest.py's ``clone`` (a copy of the repository):
+    offline, and importing the copy's package rather than this checkout's."""
+    return {**os.environ, **OFFLINE, "PYTHONPATH": str(clone / "src")}
+
+
 def torchrun(args: list[str], nproc: int = 2, **options: object) -> subprocess.CompletedProcess:
     """Run ``train.py`` under torchrun to completion (or the timeout); output captured."""
     return subprocess.run(
@@ -299,9 +308,11 @@ def _kill(procs: list[mp.Process]) -> None:
 
 
 __all__ = [
+    "OFFLINE",
     "PEAK",
     "REFERENCE_STEPS",
     "assert_same_run",
+    "clone_env",
     "final_weights",
     "free_port",
     "logged_losses",

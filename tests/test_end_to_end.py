@@ -1,5 +1,7 @@
-"""torchrun with 2 processes trains the tiny LLaMA on the shared C4 sample, end to end; the stop at
-the end of uneven data runs on spawned ranks."""
+"""The quick start, end to end: torchrun with 2 processes trains the tiny LLaMA of
+configs/tiny.toml on the bundled C4 sample, in a copy of the repository with nothing beside it
+(conftest.py's ``clone``), from an unrelated working directory. The stop at the end of uneven
+data runs on spawned ranks."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ import pytest
 import torch
 from distributed_harness import (
     REPO,
+    clone_env,
+    free_port,
     metrics_records,
     run_distributed,
     subprocess_env,
     tiny_args,
-    torchrun,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tiny_models import LogLines, train_in_group
@@ -31,24 +34,40 @@ pytestmark = pytest.mark.slow  # trains the quick start under torchrun
 STEPS = 20
 
 
-def e2e_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
-    """The tiny config, shortened for a test: 20 steps of 2 x 4 x 128 tokens; the MFU peak
-    measured (or looked up on a GPU) as in a user's run."""
-    return tiny_args(
-        sample_data, output_dir, "--peak-tflops", "0",
-        "--seq-length", "128", "--batch-size", "4", "--max-steps", str(STEPS),
-        "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5",
-        "--eval-every", "10", "--eval-batches", "4", "--tensorboard", *extra,
-    )  # fmt: skip
+E2E = (
+    "--peak-tflops", "0", "--seq-length", "128", "--batch-size", "4", "--max-steps", str(STEPS),
+    "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5", "--eval-every", "10",
+    "--eval-batches", "4", "--tensorboard",
+)  # fmt: skip
+"""configs/tiny.toml shortened for a test: 20 steps of 2 x 4 x 128 tokens; the MFU peak measured
+(or looked up on a GPU) as in a user's run. The data, tokenizer and output folder are the
+config's own (the bundled sample, ``outputs/tiny`` under the working directory)."""
 
 
 @pytest.fixture(scope="module")
-def tiny_run(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output_dir = tmp_path_factory.mktemp("tiny")
-    result = torchrun(e2e_args(sample_data, output_dir))
+def tiny_run(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of the quick start's command, run from an empty working directory."""
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        str(clone / "train.py"), "--config", str(clone / "configs" / "tiny.toml"), *E2E,
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=cwd, env=clone_env(clone), capture_output=True, text=True, timeout=420,
+        check=False,
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    output_dir = cwd / "outputs" / "tiny"  # output_dir is relative to the working directory
     (output_dir / "log.txt").write_text(result.stdout + result.stderr)
     return output_dir
+
+
+def test_the_config_reads_the_bundled_sample_of_the_copy(clone: Path, tiny_run: Path) -> None:
+    """configs/tiny.toml's relative paths are read from the config's folder, not from the
+    working directory: the copy's own data folder."""
+    saved = (tiny_run / "config.toml").read_text()
+    assert str(clone / "data") in saved and str(REPO / "data") not in saved
 
 
 def test_metrics_have_the_documented_keys(tiny_run: Path) -> None:
@@ -93,6 +112,7 @@ def test_final_model_loads_and_generates(tiny_run: Path) -> None:
     assert isinstance(tokenizer.decode(out[0]), str)
     assert (tiny_run / "final_model" / "model.safetensors").is_file()
     assert "max_steps = 20" in (tiny_run / "config.toml").read_text()
+    assert model.config.hidden_size == 256, "configs/tiny.toml's model"
 
 
 def test_tensorboard_events_hold_the_logged_scalars(tiny_run: Path) -> None:
