@@ -10,7 +10,6 @@ same spawn.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,9 @@ from distributed_harness import (
     REFERENCE_STEPS,
     REPO,
     assert_same_run,
-    free_port,
     logged_losses,
     reference_args,
     run_distributed,
-    subprocess_env,
-    torchrun_command,
 )
 from tiny_models import LogLines, train_in_group
 
@@ -101,22 +97,3 @@ def test_incompatible_checkpoint_is_refused(sample_data: Path, reference_run: Pa
     errors = run_distributed(_refusal_worker, 2, str(sample_data), str(reference_run))
     assert all("compression" in e and "--no-resume" in e for e in errors), errors
     assert {p: p.stat().st_mtime_ns for p in checkpoints.rglob("*")} == before
-
-
-def test_two_agents_on_loopback_match_one_agent(
-    sample_data: Path, tmp_path: Path, reference_run: Path
-) -> None:
-    """--nnodes 2 with one process each, c10d rendezvous at 127.0.0.1. One thread per process,
-    as torchrun gives each of 2 processes on one node (the loss reduction's float sums depend
-    on the thread count)."""
-    port = free_port()
-    args = reference_args(sample_data, tmp_path, "--threads", "1")
-    commands = [torchrun_command(args, nproc=1, nnodes=2, port=port) for _ in range(2)]
-    procs = [
-        subprocess.Popen(c, cwd=REPO, env=subprocess_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for c in commands
-    ]  # fmt: skip
-    outputs = [p.communicate(timeout=400)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert_same_run(tmp_path, reference_run, REFERENCE_STEPS)
