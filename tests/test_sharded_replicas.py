@@ -28,7 +28,7 @@ from torchrun_ddp.plan.architecture import meta_model
 
 pytestmark = pytest.mark.slow  # trains on 2 and 4 spawned ranks
 
-STEPS, STOP = 8, 4
+STEPS, STOP = 6, 4
 HOOKS = {
     "none": (),
     "dct-lossless": ("--compression", "dct", "--compression-ratio", "1.0",
@@ -48,12 +48,12 @@ LOCAL = {
 } | {"demo": ("--optimizer", "demo", "--zero1", "false", "--shard-degree", "1")}
 """The methods that exchange themselves, one rank per replica: DiLoCo and SparseLoCo syncing
 every 3 steps (step 4, the checkpoint, falls inside a window), DeMo every step."""
-SYNCS = {"diloco": [3, 6], "sparseloco": [3, 6], "demo": list(range(1, 9))}
+SYNCS = {"diloco": [3, 6], "sparseloco": [3, 6], "demo": list(range(1, STEPS + 1))}
 """The steps in which each sends."""
 
 
 def _args(data: Path, output: Path, *extra: str) -> list[str]:
-    """The hidden-64 LLaMA under hsdp, 8 steps of 2 micro-batches of 2 x 16 tokens per rank."""
+    """The hidden-64 LLaMA under hsdp, STEPS steps of 2 micro-batches of 2 x 16 tokens per rank."""
     return accumulating_args(data, output, STEPS, STOP, "--data-parallel", "hsdp", *extra)
 
 
@@ -85,10 +85,10 @@ def _hooks_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str
 
 def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> list[tuple]:
     """2 nodes of 2 ranks (shard within a node): dct 0.25 bf16 across the nodes, then DiLoCo,
-    SparseLoCo and DeMo for 6 steps (ending on a sync). Per run, the shards' digest and
+    SparseLoCo and DeMo for STEPS steps (ending on a sync). Per run, the shards' digest and
     the ranks of every parameter's FSDP mesh."""
     runs = {"2x2": HOOKS["dct"], "2x2-none": ("--max-steps", str(STOP))}
-    runs |= {f"2x2-{name}": (*extra[:-2], "--max-steps", "6") for name, extra in LOCAL.items()}
+    runs |= {f"2x2-{name}": extra[:-2] for name, extra in LOCAL.items()}
     out = []
     for name, extra in runs.items():
         argv = _args(Path(data), root / name, *extra)
