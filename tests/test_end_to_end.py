@@ -1,7 +1,8 @@
 """The quick start, end to end: torchrun with 2 processes trains the tiny LLaMA of
 configs/tiny.toml on the bundled C4 sample, in a copy of the repository with nothing beside it
 (conftest.py's ``clone``), from an unrelated working directory. The stop at the end of uneven
-data runs on spawned ranks."""
+data runs on spawned ranks; train.py without torchrun (one process) is tests/test_faults.py's
+SIGTERM test."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from distributed_harness import (
     free_port,
     metrics_records,
     run_distributed,
-    subprocess_env,
     tiny_args,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -184,17 +184,3 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_pa
     assert (
         f"at step {last_steps[3]}" in again and (tmp_path / "log-every-3" / "final_model").is_dir()
     )
-
-
-def test_without_torchrun_trains_as_one_process(sample_data: Path, tmp_path: Path) -> None:
-    args = tiny_args(sample_data, tmp_path, "--max-steps", "2", "--seq-length", "32",
-                     "--batch-size", "1", "--log-every", "1", "--eval-batches", "1",
-                     "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
-                     )  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-        env=subprocess_env(), timeout=300, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "world_size 1" in result.stderr
-    assert [r["step"] for r in metrics_records(tmp_path) if "loss" in r] == [1, 2]

@@ -102,16 +102,23 @@ def _complete(root: Path) -> list[str]:
 
 
 def _sigterm_alone(sample_data: Path, output_dir: Path) -> None:
-    """train.py alone (no torchrun), SIGTERM after its first step: status 143, a checkpoint."""
+    """train.py alone (no torchrun) trains as one process (world_size 1); SIGTERM after its
+    first step: status 143, a checkpoint, every step until then logged once."""
     command = [sys.executable, str(REPO / "train.py"), *reference_args(sample_data, output_dir)]
-    proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=subprocess_env(), stderr=subprocess.PIPE, text=True
+    )
     try:
         _wait_for(lambda: len(logged_losses(output_dir)) >= 1, proc)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 143
+        _, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "world_size 1" in stderr, stderr[-3000:]
     assert list((output_dir / "checkpoints").glob("step-*/COMPLETE"))
+    steps = sorted(logged_losses(output_dir))
+    assert steps == list(range(1, len(steps) + 1)), steps
 
 
 def _popen(args: list[str], log: Path, restarts: int = 0) -> subprocess.Popen:
