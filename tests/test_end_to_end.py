@@ -44,6 +44,12 @@ E2E = (
 config's own (the bundled sample, ``outputs/tiny`` under the working directory)."""
 
 
+def e2e_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
+    """``E2E`` on the bundled sample of this checkout, with the output folder given (the GPU
+    tests' runs, tests/test_gpu.py)."""
+    return tiny_args(sample_data, output_dir, *E2E, *extra)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output folder of the quick start's command, run from an empty working directory."""
