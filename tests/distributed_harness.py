@@ -230,10 +230,19 @@ def _worker(
             dist.destroy_process_group()
 
 
-PRELOAD = ["torch", "torch.distributed", "torchrun_ddp.main"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torchrun_ddp.main",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.llama.tokenization_llama",
+    "tiny_models",
+]
 """Imported once by the fork server, so that ranks do not import torch and transformers again
 (tests/test_start_agreement.py's one spawn: 7.4 s -> 0.8 s; tests/test_checkpoint.py's fixture:
-8.3 s -> 2.0 s; `pytest --durations=8` on both, one setting after the other, quiet machine)."""
+8.3 s -> 2.0 s; `pytest --durations=8` on both, one setting after the other, quiet machine).
+The LLaMA modules are what the tests build and transformers imports lazily, on each fresh
+rank's first run otherwise."""
 
 
 def _context() -> mp.context.BaseContext:
