@@ -41,14 +41,19 @@ TIMEOUT_S = 420.0
 
 
 def torchrun_command(
-    args: list[str], nproc: int = 2, nnodes: int = 1, port: int | None = None, extra: tuple = ()
+    args: list[str],
+    nproc: int = 2,
+    nnodes: int = 1,
+    port: int | None = None,
+    extra: tuple = (),
+    script: Path = REPO / "train.py",
 ) -> list[str]:
-    """The command line of ``torchrun ... train.py args`` with c10d rendezvous on loopback."""
+    """The command line of ``torchrun ... script args`` with c10d rendezvous on loopback
+    (``script``: this checkout's train.py unless another copy's is given)."""
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         f"--nnodes={nnodes}", "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{port or free_port()}", *extra,
-        str(REPO / "train.py"), *args,
+        f"--rdzv_endpoint=127.0.0.1:{port or free_port()}", *extra, str(script), *args,
     ]  # fmt: skip
 
 
@@ -60,13 +65,10 @@ def subprocess_env(shared_store: bool = True) -> dict[str, str]:
     return env if shared_store else {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
 def clone_env(clone: Path) -> dict[str, str]:
-    """The environment for a process in conftest.py's ``clone`` (a copy of the repository):
-    offline, and importing the copy's package rather than this checkout's."""
-    return {**os.environ, **OFFLINE, "PYTHONPATH": str(clone / "src")}
+    """``subprocess_env`` for a process in conftest.py's ``clone`` (a copy of the repository):
+    also datasets offline, and importing the copy's package rather than this checkout's."""
+    return {**subprocess_env(), "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(clone / "src")}
 
 
 def torchrun(args: list[str], nproc: int = 2, **options: object) -> subprocess.CompletedProcess:
@@ -317,7 +319,6 @@ def _kill(procs: list[mp.Process]) -> None:
 
 
 __all__ = [
-    "OFFLINE",
     "PEAK",
     "REFERENCE_STEPS",
     "assert_same_run",

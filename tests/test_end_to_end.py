@@ -10,7 +10,6 @@ import gzip
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,10 @@ import torch
 from distributed_harness import (
     REPO,
     clone_env,
-    free_port,
     metrics_records,
     run_distributed,
     tiny_args,
+    torchrun_command,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tiny_models import LogLines, train_in_group
@@ -54,11 +53,8 @@ def e2e_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
 def tiny_run(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output folder of the quick start's command, run from an empty working directory."""
     cwd = tmp_path_factory.mktemp("elsewhere")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        str(clone / "train.py"), "--config", str(clone / "configs" / "tiny.toml"), *E2E,
-    ]  # fmt: skip
+    args = ["--config", str(clone / "configs" / "tiny.toml"), *E2E]
+    command = torchrun_command(args, script=clone / "train.py")
     result = subprocess.run(
         command, cwd=cwd, env=clone_env(clone), capture_output=True, text=True, timeout=420,
         check=False,
