@@ -7,7 +7,8 @@ rank. A worker that raises fails the test with its traceback; a group that hangs
 ``timeout`` seconds.
 
 ``torchrun_command(args)`` / ``torchrun(args)`` run ``train.py`` under the real torchrun launcher
-(c10d rendezvous on a free loopback port), always with a timeout.
+(c10d rendezvous on a free loopback port), always with a timeout; with ``forked=True`` through
+``forked_torchrun.py``, whose ranks are forks of an agent that has imported the trainer.
 
 ``reference_args`` is the fault and resume tests' one training config (its uninterrupted run is
 conftest.py's session fixture ``reference_run``); ``logged_losses``, ``metrics_records``,
@@ -36,7 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 TIMEOUT_S = 420.0
 
 
@@ -47,12 +49,18 @@ def torchrun_command(
     port: int | None = None,
     extra: tuple = (),
     script: Path = REPO / "train.py",
+    forked: bool = False,
 ) -> list[str]:
     """The command line of ``torchrun ... script args`` with c10d rendezvous on loopback
-    (``script``: this checkout's train.py unless another copy's is given)."""
+    (``script``: this checkout's train.py unless another copy's is given). ``forked``: torchrun
+    through ``forked_torchrun.py``, whose ranks are forks of an agent that imported the trainer
+    (``script`` is then ignored: the ranks run this checkout's ``train.main``)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    if forked:
+        launcher = [sys.executable, str(HERE / "forked_torchrun.py"), "--run-path"]
+        extra, script = ("--start-method=fork", *extra), HERE / "forked_rank.py"
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--nnodes={nnodes}", "--rdzv_backend=c10d",
+        *launcher, f"--nproc_per_node={nproc}", f"--nnodes={nnodes}", "--rdzv_backend=c10d",
         f"--rdzv_endpoint=127.0.0.1:{port or free_port()}", *extra, str(script), *args,
     ]  # fmt: skip
 
@@ -171,7 +179,8 @@ def assert_same_run(got: Path, expected: Path, steps: int | None = None) -> None
 
 
 def worker_pids(agent_pid: int) -> list[int]:
-    """PIDs of the train.py worker processes started by a torchrun agent."""
+    """PIDs of the worker processes (ranks) started by a torchrun agent: train.py's, or the
+    forks of ``forked_torchrun.py`` (whose command line names forked_rank.py)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -181,7 +190,7 @@ def worker_pids(agent_pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == agent_pid and b"train.py" in cmdline:
+        if int(stat[1]) == agent_pid and (b"train.py" in cmdline or b"forked_rank.py" in cmdline):
             found.append(int(entry.name))
     return found
 

@@ -183,7 +183,7 @@ def test_a_damaged_record_deep_in_a_large_shard_is_skipped_or_stops_in_one_line(
     records = (tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()
     assert any(json.loads(r).get("bad_records") == 3 for r in records), records
     args = tiny_args(sample_data, tmp_path / "stop", *base, "--max-bad-records", "2")
-    stop = torchrun(args, extra=("--max-restarts=1",))
+    stop = torchrun(args, extra=("--max-restarts=1",), forked=True)
     assert stop.returncode != 0
     errors = [line for line in stop.stderr.splitlines() if line.startswith("error: ")]
     line = f"error: 3 damaged training records, more than --max-bad-records 2; the last: {shard}"

@@ -1,4 +1,7 @@
 """Fault injection on real torchrun processes (``TORCHRUN_DDP_FAULT``, see faults.py) and signals.
+The torchrun runs go through ``forked_torchrun.py`` (torchrun's agent, its ranks forks of it with
+the trainer imported), so that each of the many restarts takes seconds, not an interpreter's
+imports.
 
 Every run uses the one reference config (``distributed_harness.reference_args``) and is compared
 with its uninterrupted run, conftest.py's session fixture ``reference_run``: the same loss at every
@@ -59,7 +62,7 @@ FAULTS = [
 def _run(args: list[str], faults: str = "", restarts: int = 0) -> subprocess.CompletedProcess:
     """torchrun with the fault list in the environment; each attempt may take TIMEOUT_S / 4."""
     env = {**subprocess_env(), "TORCHRUN_DDP_FAULT": faults} if faults else subprocess_env()
-    command = torchrun_command(args, extra=(f"--max-restarts={restarts}",))
+    command = torchrun_command(args, extra=(f"--max-restarts={restarts}",), forked=True)
     timeout = TIMEOUT_S * (1 + restarts) / 4
     return subprocess.run(
         command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -123,7 +126,7 @@ def _sigterm_alone(sample_data: Path, output_dir: Path) -> None:
 
 def _popen(args: list[str], log: Path, restarts: int = 0) -> subprocess.Popen:
     with log.open("w") as sink:
-        command = torchrun_command(args, extra=(f"--max-restarts={restarts}",))
+        command = torchrun_command(args, extra=(f"--max-restarts={restarts}",), forked=True)
         return subprocess.Popen(
             command, cwd=REPO, env=subprocess_env(), stdout=sink, stderr=subprocess.STDOUT
         )
@@ -236,7 +239,8 @@ def _step_lines(log: Path) -> int:
 
 def _kill_one(proc: subprocess.Popen, log: Path, killed: set[int], rng: random.Random) -> str:
     """Wait for a new attempt's workers, then SIGKILL one at random: in start-up (a random delay
-    of up to 6 s after they appear) or after 1 to 4 of its training steps."""
+    of up to 2 s after they appear; a forked rank is ready in about 2) or after 1 to 4 of its
+    training steps."""
     deadline = time.monotonic() + TIMEOUT_S
     while len(workers := [p for p in worker_pids(proc.pid) if p not in killed]) < 2:
         assert proc.poll() is None, "torchrun ended before every fault was injected"
@@ -244,7 +248,7 @@ def _kill_one(proc: subprocess.Popen, log: Path, killed: set[int], rng: random.R
         time.sleep(0.05)
     victim = rng.choice(workers)
     if rng.random() < 0.4:
-        delay = rng.uniform(0, 6)
+        delay = rng.uniform(0, 2)
         moment = f"start-up + {delay:.1f} s"
         time.sleep(delay)
     else:
@@ -262,10 +266,11 @@ def _kill_one(proc: subprocess.Popen, log: Path, killed: set[int], rng: random.R
 def test_random_sigkills_each_cost_one_restart_and_end_bit_identical(
     sample_data: Path, tmp_path: Path, reference_run: Path
 ) -> None:
-    """SOAK_KILLS SIGKILLs of random ranks at random moments (start-up included) under plain
-    torchrun (its agent's shared store) with --max-restarts equal to the kills: a restart that
-    fails to reconnect would exhaust them. Every attempt that trains is ready within a minute of
-    its start, and the run ends with an uninterrupted run's losses and weights, bit for bit."""
+    """SOAK_KILLS SIGKILLs of random ranks at random moments (start-up included) under torchrun
+    with its default store (the agent's, shared with the workers) and --max-restarts equal to
+    the kills: a restart that fails to reconnect would exhaust them. Every attempt that trains
+    is ready within a minute of its start, and the run ends with an uninterrupted run's losses
+    and weights, bit for bit."""
     seed = int(os.environ.get("TORCHRUN_DDP_SOAK_SEED", time.time_ns() % 10**6))
     rng, faulty, log = random.Random(seed), tmp_path / "faulty", tmp_path / "faulty.log"
     proc = _popen(reference_args(sample_data, faulty), log, restarts=SOAK_KILLS)

@@ -128,7 +128,8 @@ def test_data_that_ends_before_the_first_step_fails_in_one_line_and_saves_nothin
     data = _large_file_with_one_document(tmp_path / "large.json")
     output = tmp_path / "out"
     args = tiny_args(sample_data, output, "--data-files", data, "--model", SMALL_LLAMA)
-    result = torchrun([*args, "--max-steps", "5", "--seq-length", "32", "--batch-size", "1"])
+    args = [*args, "--max-steps", "5", "--seq-length", "32", "--batch-size", "1"]
+    result = torchrun(args, forked=True)
     assert result.returncode not in (0, 143), result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2, result.stderr[-3000:]

@@ -1,0 +1,56 @@
+"""torchrun with the trainer imported once: ``python tests/forked_torchrun.py [torchrun flags]
+--run-path --start-method=fork tests/forked_rank.py [train.py flags]`` (``torchrun_command(...,
+forked=True)`` builds it).
+
+The agent imports torch, transformers and this package before it starts, and every rank, the
+first and each restarted one, is a fork of it that runs ``train.main`` (``forked_rank.py``)
+instead of a fresh interpreter that imports them again (about 10 s per start with 2 ranks on 2
+cores). Everything else is torchrun's own code: c10d rendezvous, the restart policy, the signals
+it forwards. The tests that restart groups many times use it; the quick start
+(test_end_to_end), the multi-node tests and one SIGTERM run keep the plain ``python -m
+torch.distributed.run train.py`` that users run."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import traceback
+from pathlib import Path
+
+
+def preload() -> None:
+    """Import what a rank imports, with the collector paused, then freeze it (as train.py does)."""
+    gc.disable()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import transformers.models.llama.modeling_llama  # noqa: PLC0415
+    import transformers.models.llama.tokenization_llama  # noqa: F401, PLC0415
+
+    import train  # noqa: F401, PLC0415
+    from torchrun_ddp import main  # noqa: F401, PLC0415
+
+    gc.freeze()
+    gc.enable()
+
+
+def launch() -> int:
+    """torchrun's ``main`` on ``sys.argv``; its exit status (1 with the traceback on a failed
+    group, as torchrun's)."""
+    from torch.distributed.run import main  # noqa: PLC0415
+
+    try:
+        main()
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # torchrun's ChildFailedError and the like: status 1, as torchrun's
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    preload()
+    status = launch()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # skip the teardown of the preloaded modules (seconds, and nanobind noise)
