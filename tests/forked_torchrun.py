@@ -4,15 +4,16 @@ forked=True)`` builds it).
 
 The agent imports torch, transformers and this package before it starts, and every rank, the
 first and each restarted one, is a fork of it that runs ``train.main`` (``forked_rank.py``)
-instead of a fresh interpreter that imports them again (about 10 s per start with 2 ranks on 2
-cores). Everything else is torchrun's own code: c10d rendezvous, the restart policy, the signals
-it forwards. The tests that restart groups many times use it; the quick start
-(test_end_to_end), the multi-node tests and one SIGTERM run keep the plain ``python -m
-torch.distributed.run train.py`` that users run."""
+instead of a fresh interpreter that imports them again (a rank of the reference config was
+ready in 2.1 s against 17.9 s, docs/benchmarks.md#test-suite). Everything else is torchrun's own
+code: c10d rendezvous, the restart policy, the signals it forwards. The fault tests and the
+refusals under torchrun use it; the reference run, test_end_to_end, test_elastic and
+test_multisite keep the plain ``python -m torch.distributed.run train.py`` that users run."""
 
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import sys
 import traceback
@@ -20,17 +21,17 @@ from pathlib import Path
 
 
 def preload() -> None:
-    """Import what a rank imports, with the collector paused, then freeze it (as train.py does)."""
+    """Import what a rank imports (the fork server's ``PRELOAD`` and train.py) with the collector
+    paused, then freeze it, as train.py's ``collect_from_here`` does for a rank."""
     gc.disable()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import transformers.models.llama.modeling_llama  # noqa: PLC0415
-    import transformers.models.llama.tokenization_llama  # noqa: F401, PLC0415
+    from distributed_harness import PRELOAD  # noqa: PLC0415
 
-    import train  # noqa: F401, PLC0415
-    from torchrun_ddp import main  # noqa: F401, PLC0415
+    import train  # noqa: PLC0415
 
-    gc.freeze()
-    gc.enable()
+    for name in PRELOAD:
+        importlib.import_module(name)
+    train.collect_from_here()
 
 
 def launch() -> int:
