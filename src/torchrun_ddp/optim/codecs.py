@@ -38,8 +38,9 @@ class TileCodec:
 
     @property
     def n_tiles(self) -> int:
-        """Tiles of the parameter."""
-        return max(1, math.prod(self.shape)) // self.tile_numel
+        """Tiles of the parameter: none for an empty one (a shard with no rows, which FSDP2
+        gives a rank when a tensor has fewer rows than the shard degree), so it sends nothing."""
+        return math.prod(self.shape) // self.tile_numel
 
     @property
     def index_dtype(self) -> torch.dtype:

@@ -255,9 +255,14 @@ class DeMo(Optimizer):
         direction in the parameter's shape (fp32): per coefficient the mean over the ranks that
         sent it, inverse DCT, sign (unless ``settings.sign`` is off)."""
         world, count = rows.shape[0], codec.value_count
+        if not count:  # an empty shard: no tiles, nothing sent
+            return torch.zeros(codec.shape, device=rows.device)
         split = count * self.value_dtype.itemsize
-        values = rows[:, :split].clone().view(self.value_dtype).float()
-        positions = rows[:, split:].clone().view(codec.index_dtype).long()
+        # contiguous_format: a plain clone keeps the stride of a single row (one rank), which
+        # an odd message length leaves unaligned for the value dtype's view
+        dense = torch.contiguous_format
+        values = rows[:, :split].clone(memory_format=dense).view(self.value_dtype).float()
+        positions = rows[:, split:].clone(memory_format=dense).view(codec.index_dtype).long()
         shape = (world, codec.n_tiles, codec.k)
         values, positions = values.view(shape), positions.view(shape)
         total = values.new_zeros(codec.n_tiles, codec.tile_numel)
