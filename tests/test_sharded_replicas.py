@@ -1,7 +1,8 @@
 """--data-parallel hsdp with a --compression comm hook across the replicas (``compression
 .replicas``): the real trainer on spawned gloo ranks. A lossless hook gives FSDP's own replicate
 all-reduce's losses, each hook trains with the replicas' shards bit-identical, only the hook's
-payload crosses the replicate group (bytes counted), and the error feedback resumes exactly."""
+payload crosses the replicate group (bytes counted), also with --compile, and the error feedback
+resumes exactly."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from torchrun_ddp.compression.replicas import local_shard
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import load_model_config
+from torchrun_ddp.parallelize import decoder_layers
 from torchrun_ddp.plan.architecture import meta_model
 
 pytestmark = pytest.mark.slow  # trains on 2 and 4 spawned ranks
@@ -62,14 +64,21 @@ def _shard_digest(model: torch.nn.Module) -> str:
     return digest({name: local_shard(p) for name, p in model.named_parameters()})
 
 
-def _hooks_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str, str]:
-    """2 replicas of 1 shard: every hook for STEPS steps; dct stopped at STOP, then resumed."""
-    out = {}
+def _hooks_worker(rank: int, world_size: int, data: str, root: Path) -> dict[str, object]:
+    """2 replicas of 1 shard: every hook for STEPS steps, dct also with --compile (and which
+    decoder layers it compiled); dct stopped at STOP, then resumed."""
+    out: dict[str, object] = {}
     for name, extra in HOOKS.items():
         trainer = train_in_group(
             rank, world_size, _args(Path(data), root / name, "--shard-degree", "1", *extra)
         )
         out[name] = _shard_digest(trainer.model)
+    compiled = (*HOOKS["dct"], "--shard-degree", "1", "--compile")
+    trainer = train_in_group(rank, world_size, _args(Path(data), root / "dct-compiled", *compiled))
+    out["dct-compiled"] = _shard_digest(trainer.model)
+    out["compiled blocks"] = [
+        b._compiled_call_impl is not None for b in decoder_layers(trainer.model)
+    ]
     for name, extra in {"dct": (*HOOKS["dct"], "--shard-degree", "1"), **LOCAL}.items():
         folder = root / f"stopped-{name}"
         train_in_group(rank, world_size, _args(Path(data), folder, *extra, "--max-steps", "4"))
@@ -147,6 +156,20 @@ def test_only_the_hooks_payload_crosses_the_replicas(runs: tuple[Path, list]) ->
     assert {wire for wire, _ in dct} == {expected}, (dct[:2], expected)
     assert {dense for _, dense in dct} == {dense for _, dense in native}
     assert 0.12 < expected / native[0][0] < 0.14, (expected, native[0])
+
+
+def test_compiled_blocks_send_the_same_payload(runs: tuple[Path, list]) -> None:
+    """--compile under hsdp with dct across the replicas: every decoder layer compiled, the
+    replicas' shards bit-identical, eager dct's losses (fused kernels round differently: 1e-3)
+    and the same wire bytes in every step."""
+    root, results = runs
+    assert [r["compiled blocks"] for r in results] == [[True, True]] * 2
+    assert results[0]["dct-compiled"] == results[1]["dct-compiled"], "the replicas differ"
+    eager, compiled = logged_losses(root / "dct"), logged_losses(root / "dct-compiled")
+    assert sorted(compiled) == sorted(eager) == list(range(1, STEPS + 1))
+    for step, loss in eager.items():
+        assert compiled[step] == pytest.approx(loss, abs=1e-3), step
+    assert comm_bytes(root / "dct-compiled") == comm_bytes(root / "dct")
 
 
 def _parameter_shapes() -> list[tuple[int, ...]]:
