@@ -18,9 +18,14 @@ from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.inputs import prepare_inputs
 from torchrun_ddp.main import Trainer, start, train
+from torchrun_ddp.training_data import load_tokenizer
 from torchrun_ddp.training_state import save_final_model
 
 REPO = Path(__file__).resolve().parents[1]
+# The bundled tokenizer, loaded into the per-process cache (``documents.load_tokenizer``) at
+# import: ranks forked from a process that preloads this module (the fork server's PRELOAD,
+# tests/forked_torchrun.py) do not parse it again in every training.
+load_tokenizer(str(REPO / "data" / "tokenizer" / "mistral-7b-v0.1"))
 
 
 def tiny_llama_config(vocab_size: int = 128) -> LlamaConfig:

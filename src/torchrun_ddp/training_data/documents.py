@@ -7,6 +7,7 @@ read, and a deterministic slice of every file can be held out (``--eval-fraction
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import json
@@ -171,7 +172,12 @@ def is_local_path(name: str) -> bool:
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """The tokenizer from a hub id or local folder; raises UserError if it cannot be loaded."""
+    """The tokenizer from a hub id or local folder; raises UserError if it cannot be loaded.
+
+    Loaded once per process for the same hub id or, for a folder, the same resolved path and
+    files (names, sizes and modification times): a process that trains several times (the
+    tests, the benchmarks, a notebook) gets the same object back instead of parsing
+    tokenizer.json again (about 0.2 s). Callers do not modify it."""
     looks_local = is_local_path(name)
     if looks_local and not Path(name).expanduser().is_dir():
         raise UserError(f"tokenizer folder {name} does not exist; pass an existing --tokenizer")
@@ -181,9 +187,27 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
             "saved by save_pretrained as --tokenizer"
         )
     try:
-        return AutoTokenizer.from_pretrained(name)
+        if not looks_local:
+            return _cached_tokenizer(name, ())
+        folder = Path(name).expanduser().resolve()
+        return _cached_tokenizer(str(folder), _folder_stamp(folder))
     except OSError as exc:
         raise UserError(f"cannot load tokenizer {name}: {str(exc).splitlines()[0]}") from exc
+
+
+def _folder_stamp(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """(file name, size in bytes, modification time in ns) of every file in ``folder``."""
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(
+    name: str, stamp: tuple[tuple[str, int, int], ...]
+) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(name)``, kept per ``(name, stamp)``."""
+    del stamp  # part of the cache key only
+    return AutoTokenizer.from_pretrained(name)
 
 
 def open_documents(
