@@ -112,44 +112,82 @@ def _from_step_4(reference: Path, target: Path) -> None:
         shutil.rmtree(target / f"node-{node}" / "step-6")
 
 
+def _jobs_worker(rank: int, world: int, jobs: list[tuple[str, int, list[str]]]) -> list[dict]:
+    """``_train`` of every (folder, steps, flags) job on this rank, one after the other."""
+    return [_train(rank, world, base, steps, extra) for base, steps, extra in jobs]
+
+
+def _damaged_folders(
+    references: dict[str, tuple[Path, list[str]]], root: Path
+) -> dict[str, tuple[Path, int, list[str]]]:
+    """The damaged copies of the reference runs the tests below resume: (folder, steps, flags)
+    by name. ``wiped-<method>``: node 1's folder gone after step 4; ``lost-demo`` and
+    ``lost-zero1``: every per-rank file gone from both folders after step 4; ``older``: node 1
+    lost its step 6, and node 0 holds no buddy copy of node 1's ranks for it."""
+    jobs = {}
+    for method, flags in METHODS.items():
+        _from_step_4(references[method][0], root / f"wiped-{method}")
+        shutil.rmtree(root / f"wiped-{method}" / "node-1")  # a replaced machine: an empty disk
+        jobs[f"wiped-{method}"] = (root / f"wiped-{method}", 6, flags)
+    for method in ("demo", "zero1"):
+        _from_step_4(references[method][0], root / f"lost-{method}")
+        for node in (0, 1):
+            _wipe_own_state(root / f"lost-{method}" / f"node-{node}")
+        jobs[f"lost-{method}"] = (root / f"lost-{method}", 6, METHODS[method])
+    shutil.copytree(references["adamw"][0], root / "older")
+    shutil.rmtree(root / "older" / "node-1" / "step-6")
+    for file in (root / "older" / "node-0" / "step-6").glob("rank-[23].*"):
+        file.unlink()
+    jobs["older"] = (root / "older", 7, METHODS["adamw"])
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def resumed(
+    references: dict[str, tuple[Path, list[str]]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, list[dict[str, object]]]]:
+    """Every damaged folder (``_damaged_folders``) resumed on 4 ranks, in one spawn: its folder
+    and every rank's result."""
+    jobs = _damaged_folders(references, tmp_path_factory.mktemp("damaged"))
+    argv = [(str(base), steps, extra) for base, steps, extra in jobs.values()]
+    results = run_distributed(_jobs_worker, 4, argv, timeout=600.0)
+    return {name: (jobs[name][0], [r[index] for r in results]) for index, name in enumerate(jobs)}
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_a_wiped_node_folder_is_served_by_its_peer_and_the_run_ends_bit_identical(
-    method: str, references: dict[str, tuple[Path, list[str]]], tmp_path: Path
+    method: str,
+    references: dict[str, tuple[Path, list[str]]],
+    resumed: dict[str, tuple[Path, list[dict[str, object]]]],
 ) -> None:
     reference, digests = references[method]
-    _from_step_4(reference, tmp_path)
-    shutil.rmtree(tmp_path / "node-1")  # a replaced machine: nothing on its disk
-    resumed = _run(tmp_path, 6, METHODS[method])
-    assert [r["digest"] for r in resumed] == digests, method
-    assert logged_losses(tmp_path / "out") == logged_losses(reference / "out")
-    assert (tmp_path / "node-1" / "step-6" / "COMPLETE").is_file()
-    fetched = sorted(p.name for p in (tmp_path / "node-1" / "step-4").glob("rank-*"))
+    folder, ranks = resumed[f"wiped-{method}"]
+    assert [r["digest"] for r in ranks] == digests, method
+    assert logged_losses(folder / "out") == logged_losses(reference / "out")
+    assert (folder / "node-1" / "step-6" / "COMPLETE").is_file()
+    fetched = sorted(p.name for p in (folder / "node-1" / "step-4").glob("rank-*"))
     own = [f"rank-{rank}.{ext}" for rank in range(4) for ext in ("json", "safetensors")]
     assert fetched == sorted(own)  # its own ranks' files and the buddy copies, from node 0
-    assert not [w for r in resumed for w in r["warnings"] if "rebuilt" in w]
+    assert not [w for r in ranks for w in r["warnings"] if "rebuilt" in w]
 
 
 def test_own_state_lost_on_every_node_is_rebuilt_for_demo_and_refused_for_zero1(
-    references: dict[str, tuple[Path, list[str]]], tmp_path: Path
+    resumed: dict[str, tuple[Path, list[dict[str, object]]]],
 ) -> None:
     """Both folders lose every per-rank file (one buddy copy is not enough): DeMo goes on,
     each rank warning what was reset, and the metrics count the rebuilt ranks; ZeRO-1 stops
     every rank with one line."""
-    for method in ("demo", "zero1"):
-        _from_step_4(references[method][0], tmp_path / method)
-        for node in (0, 1):
-            _wipe_own_state(tmp_path / method / f"node-{node}")
-    demo = _run(tmp_path / "demo", 6, METHODS["demo"])
+    folder, demo = resumed["lost-demo"]
     assert [r["step"] for r in demo] == [6, 6, 6, 6]
     for rank, result in enumerate(demo):
         rebuilt = [w for w in result["warnings"] if "no checkpoint folder holds its own" in w]
         assert len(rebuilt) == 1 and rebuilt[0].startswith(f"rank {rank}:"), result["warnings"]
         assert "data position replayed (exact)" in rebuilt[0]
         assert "DeMo momentum reset to zero" in rebuilt[0]
-    records = (tmp_path / "demo" / "out" / "metrics.jsonl").read_text().splitlines()
+    records = (folder / "out" / "metrics.jsonl").read_text().splitlines()
     counted = [json.loads(r) for r in records if "rebuilt_ranks" in r]
     assert [(r["step"], r["rebuilt_ranks"]) for r in counted] == [(4, 4)]
-    zero1 = _run(tmp_path / "zero1", 6, METHODS["zero1"])
+    _, zero1 = resumed["lost-zero1"]
     errors = {r.get("error") for r in zero1}
     assert len(errors) == 1
     error = str(errors.pop())
@@ -158,20 +196,17 @@ def test_own_state_lost_on_every_node_is_rebuilt_for_demo_and_refused_for_zero1(
 
 
 def test_a_folder_whose_newest_step_is_older_makes_every_rank_resume_the_common_step(
-    references: dict[str, tuple[Path, list[str]]], tmp_path: Path
+    references: dict[str, tuple[Path, list[str]]],
+    resumed: dict[str, tuple[Path, list[dict[str, object]]]],
 ) -> None:
     """Node 1 lost its step 6, and node 0 holds no buddy copy of node 1's ranks for it (as with
     --buddy-copies 0): step 6 cannot be resumed exactly, so every rank resumes step 4, and
     node 0's step 6 is set aside (and deleted once the run saves step 6 again)."""
-    shutil.copytree(references["adamw"][0], tmp_path, dirs_exist_ok=True)
-    shutil.rmtree(tmp_path / "node-1" / "step-6")
-    for file in (tmp_path / "node-0" / "step-6").glob("rank-[23].*"):
-        file.unlink()
-    again = _run(tmp_path, 7, METHODS["adamw"])
+    folder, again = resumed["older"]
     assert [r["step"] for r in again] == [7, 7, 7, 7]
     assert any("as step-6.stale: resuming the older step 4" in w for w in again[0]["warnings"])
-    assert not (tmp_path / "node-0" / "step-6.stale").exists()  # saved again at 6: deleted
-    losses = logged_losses(tmp_path / "out")
+    assert not (folder / "node-0" / "step-6.stale").exists()  # saved again at 6: deleted
+    losses = logged_losses(folder / "out")
     assert sorted(losses) == list(range(1, 8))
     assert losses[5] == logged_losses(references["adamw"][0] / "out")[5]  # the same step 5
 
