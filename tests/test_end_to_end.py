@@ -34,11 +34,12 @@ STEPS = 20
 
 
 E2E = (
-    "--peak-tflops", "0", "--seq-length", "128", "--batch-size", "4", "--max-steps", str(STEPS),
+    "--peak-tflops", "0", "--seq-length", "64", "--batch-size", "4", "--max-steps", str(STEPS),
     "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5", "--eval-every", "10",
     "--eval-batches", "4", "--tensorboard",
 )  # fmt: skip
-"""configs/tiny.toml shortened for a test: 20 steps of 2 x 4 x 128 tokens; the MFU peak measured
+"""configs/tiny.toml shortened for a test: 20 steps of 2 x 4 x 64 tokens (at 128 tokens the run
+took 48.7 s against 34.8 s, one after the other on 2 cores, 2026-11-27); the MFU peak measured
 (or looked up on a GPU) as in a user's run. The data, tokenizer and output folder are the
 config's own (the bundled sample, ``outputs/tiny`` under the working directory)."""
 
@@ -90,7 +91,7 @@ def test_loss_falls_and_eval_is_finite(tiny_run: Path) -> None:
     records = metrics_records(tiny_run)
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[0] > 9.0, "an untrained model starts near ln(32000) = 10.4"
-    assert losses[-1] < losses[0] - 2.0, losses
+    assert losses[-1] < losses[0] - 1.5, losses  # about 2 nats from steps 1-5 to 16-20
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 10, 20]
     assert evals[0]["eval_loss"] == pytest.approx(math.log(32000), abs=0.3), "untrained model"
