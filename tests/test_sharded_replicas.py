@@ -109,12 +109,13 @@ def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> lis
     return out
 
 
-def _reshaped_worker(rank: int, world_size: int, data: str, root: Path, degree: str) -> None:
-    """Resume the 2 x 2 checkpoint of step STOP on 2 ranks with --shard-degree ``degree`` (2:
-    1 replica of 2 shards, 1: 2 replicas of 1), train nothing, export."""
+def _reshaped_worker(rank: int, world_size: int, data: str, root: Path) -> None:
+    """Resume the 2 x 2 checkpoint of step STOP on 2 ranks with --shard-degree 2 (1 replica of
+    2 shards) and then 1 (2 replicas of 1), train nothing, export."""
     step = root / "2x2-none" / "checkpoints" / f"step-{STOP}"
-    extra = ("--resume-from", str(step), "--max-steps", str(STOP), "--shard-degree", degree)
-    train_in_group(rank, world_size, _args(Path(data), root / f"resumed-{degree}", *extra))
+    for degree in ("2", "1"):
+        extra = ("--resume-from", str(step), "--max-steps", str(STOP), "--shard-degree", degree)
+        train_in_group(rank, world_size, _args(Path(data), root / f"resumed-{degree}", *extra))
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +199,8 @@ def test_two_nodes_of_two_ranks_compress_across_the_nodes(
     assert sorted(native) == sorted(ddp) == list(range(1, STOP + 1))
     for step in ddp:  # 2 x 2 hsdp is DDP on 4 ranks, to fp32 tolerance
         assert native[step] == pytest.approx(ddp[step], rel=1e-4), step
+    run_distributed(_reshaped_worker, 2, str(sample_data), tmp_path, timeout=300)
     for degree in ("2", "1"):  # the 2 x 2 checkpoint of step STOP resumed as 1 x 2 and 2 x 1
-        run_distributed(_reshaped_worker, 2, str(sample_data), tmp_path, degree, timeout=300)
         resumed = final_weights(tmp_path / f"resumed-{degree}")
         assert digest(resumed) == digest(final_weights(tmp_path / "2x2-none")), degree
     for run in (0, 2, 3, 4):  # dct, DiLoCo, SparseLoCo after their sync, DeMo (1: plain)
