@@ -97,11 +97,26 @@ PEAK = ("--peak-tflops", "1")
 rank with 2 ranks on 2 cores). test_end_to_end's run measures it (``--peak-tflops 0``)."""
 
 
-def tiny_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
-    """The tiny config on the shared C4 sample, with the output folder given."""
+SMALL_LLAMA = REPO / "configs" / "tiny-models" / "llama-v4096" / "config.json"
+"""The hidden-64 LLaMA of configs/tiny-models with a 4,096-token vocabulary, for the multi-rank
+tests of distributed mechanics (sharding, method exchanges, node-local checkpoints): with the
+bundled Mistral tokenizer's 32,000 tokens its embedding and LM head are 98% of its 4.2M
+parameters, so most of each step's compute and of each checkpoint's bytes; here they are 0.52M
+of 0.60M."""
+SMALL_TOKENIZER = REPO / "configs" / "llama-8m"
+"""Its tokenizer: the 4,096-token byte-level BPE of configs/llama-8m (built from C4 by
+benchmarks/train_tokenizer.py)."""
+
+
+def tiny_args(
+    sample_data: Path, output_dir: Path, *extra: str, tokenizer: Path | None = None
+) -> list[str]:
+    """The tiny config on the shared C4 sample, with the output folder given (and ``tokenizer``,
+    by default the bundled Mistral tokenizer)."""
+    tokenizer = tokenizer or sample_data / "tokenizer" / "mistral-7b-v0.1"
     return [
         "--config", str(REPO / "configs" / "tiny.toml"),
-        "--tokenizer", str(sample_data / "tokenizer" / "mistral-7b-v0.1"),
+        "--tokenizer", str(tokenizer),
         "--data-files", str(sample_data / "c4" / "*train*.json.gz"),
         "--eval-files", str(sample_data / "c4" / "*validation*.json.gz"),
         "--output-dir", str(output_dir), *PEAK,
@@ -112,17 +127,16 @@ def tiny_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
 def accumulating_args(
     sample_data: Path, output_dir: Path, steps: int, checkpoint_every: int, *extra: str
 ) -> list[str]:
-    """The sharded tests' config: the hidden-64 LLaMA of configs/tiny-models, ``steps`` steps of
-    2 micro-batches of 2 x 16 tokens per rank, a record every step, no evaluation but the
-    last's one batch."""
+    """The sharded tests' config: SMALL_LLAMA, ``steps`` steps of 2 micro-batches of 2 x 16
+    tokens per rank, a record every step, no evaluation but the last's one batch."""
     return tiny_args(
         sample_data, output_dir,
-        "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
+        "--model", str(SMALL_LLAMA),
         "--seq-length", "16",
         "--batch-size", "2", "--accumulation-steps", "2", "--warmup-steps", "2",
         "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
         "--checkpoint-every", str(checkpoint_every), "--learning-rate", "3e-3",
-        "--max-steps", str(steps), *extra,
+        "--max-steps", str(steps), *extra, tokenizer=SMALL_TOKENIZER,
     )  # fmt: skip
 
 

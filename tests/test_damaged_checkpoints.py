@@ -15,7 +15,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from distributed_harness import PEAK, REPO, logged_losses, run_distributed
+from distributed_harness import (
+    PEAK,
+    REPO,
+    SMALL_LLAMA,
+    SMALL_TOKENIZER,
+    logged_losses,
+    run_distributed,
+)
 from tiny_models import LogLines, digest, train_in_group
 
 from torchrun_ddp.checkpoint import MANIFEST, inventory, verify_step
@@ -25,14 +32,12 @@ from torchrun_ddp.faults import PERTURB_ENV
 
 pytestmark = pytest.mark.slow  # spawned 2- and 4-rank training runs
 
-TINY_LLAMA = REPO / "configs" / "tiny-models" / "llama" / "config.json"
-
 
 def _argv(base: Path, folder: str, steps: int) -> list[str]:
     data = REPO / "data"
     return [
-        "--config", str(REPO / "configs" / "tiny.toml"), "--model", str(TINY_LLAMA),
-        "--tokenizer", str(data / "tokenizer" / "mistral-7b-v0.1"),
+        "--config", str(REPO / "configs" / "tiny.toml"), "--model", str(SMALL_LLAMA),
+        "--tokenizer", str(SMALL_TOKENIZER),
         "--data-files", str(data / "c4" / "*train*.json.gz"),
         "--eval-files", str(data / "c4" / "*validation*.json.gz"),
         "--output-dir", str(base / "out"), "--checkpoint-dir", str(base / folder),

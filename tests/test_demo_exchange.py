@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import logged_losses, run_distributed, tiny_args
+from distributed_harness import (
+    SMALL_LLAMA,
+    SMALL_TOKENIZER,
+    logged_losses,
+    run_distributed,
+    tiny_args,
+)
 from safetensors import safe_open
 from tiny_models import (
     accumulate_local_batches,
@@ -29,7 +35,6 @@ from tiny_models import (
     random_gradients,
     random_parameters,
     small_mlp,
-    tiny_model_path,
     train_in_group,
 )
 from torch.nn.parallel import DistributedDataParallel
@@ -172,11 +177,11 @@ def _overlap_resume(rank: int, root: str, groups: NodeGroups) -> dict[str, torch
 def _trainer_args(data: str, output: Path, *extra: str) -> list[str]:
     return tiny_args(
         Path(data), output,
-        "--model", str(tiny_model_path("llama")), "--seq-length", "16", "--batch-size", "2",
+        "--model", str(SMALL_LLAMA), "--seq-length", "16", "--batch-size", "2",
         "--accumulation-steps", "2", "--warmup-steps", "2", "--log-every", "1",
         "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", str(SAVE_AT),
         "--optimizer", "demo", "--demo-topk", "8", "--compression-scope", "inter-node",
-        "--overlap-exchange", "--max-steps", str(STEPS), *extra,
+        "--overlap-exchange", "--max-steps", str(STEPS), *extra, tokenizer=SMALL_TOKENIZER,
     )  # fmt: skip
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import run_distributed, tiny_args
-from tiny_models import tiny_model_path
+from distributed_harness import SMALL_LLAMA, SMALL_TOKENIZER, run_distributed, tiny_args
 from torch.profiler import ProfilerActivity, profile
 
 from torchrun_ddp.config_io import parse_config
@@ -42,7 +41,7 @@ def _counted_run(
         assert train(trainer)
     trainer.metrics.close()
     loop = _collectives([event.name for event in prof.events()])
-    ids = torch.randint(0, 1000, (2, 16), device=device)
+    ids = torch.randint(0, 512, (2, 16), device=device)  # within SMALL_LLAMA's vocabulary
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # one backward: DDP's buckets
         trainer.model(input_ids=ids, labels=ids).loss.backward()
     buckets = _collectives([event.name for event in prof.events()])
@@ -52,9 +51,10 @@ def _counted_run(
 def _args(root: Path, data: str, steps: int, log_every: int, *extra: str) -> list[str]:
     return tiny_args(
         Path(data), root,
-        "--model", str(tiny_model_path("llama")), "--seq-length", "16", "--batch-size", "2",
+        "--model", str(SMALL_LLAMA), "--seq-length", "16", "--batch-size", "2",
         "--accumulation-steps", "2", "--max-steps", str(steps), "--log-every", str(log_every),
-        "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", *extra,
+        "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0",
+        *extra, tokenizer=SMALL_TOKENIZER,
     )  # fmt: skip
 
 

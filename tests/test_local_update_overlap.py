@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import run_distributed, tiny_args
+from distributed_harness import SMALL_LLAMA, SMALL_TOKENIZER, run_distributed, tiny_args
 from tiny_models import (
     accumulate_local_batches,
     digest,
@@ -38,7 +38,6 @@ from tiny_models import (
     random_gradients,
     random_parameters,
     small_mlp,
-    tiny_model_path,
 )
 from torch.nn.parallel import DistributedDataParallel
 
@@ -214,10 +213,10 @@ END = 2 * H + 1
 def _trainer_args(data: str, output: Path, *extra: str) -> list[str]:
     return tiny_args(
         Path(data), output,
-        "--model", str(tiny_model_path("llama")), "--seq-length", "16", "--batch-size", "2",
+        "--model", str(SMALL_LLAMA), "--seq-length", "16", "--batch-size", "2",
         "--accumulation-steps", "2", "--warmup-steps", "2", "--log-every", "1",
         "--eval-every", "0", "--eval-batches", "1", "--local-steps", str(H),
-        "--overlap-exchange", *extra,
+        "--overlap-exchange", *extra, tokenizer=SMALL_TOKENIZER,
     )  # fmt: skip
 
 

@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import logged_losses, run_distributed, tiny_args
+from distributed_harness import (
+    SMALL_LLAMA,
+    SMALL_TOKENIZER,
+    logged_losses,
+    run_distributed,
+    tiny_args,
+)
 from tiny_models import (
     accumulate_local_batches,
     digest,
@@ -27,7 +33,6 @@ from tiny_models import (
     random_gradients,
     random_parameters,
     small_mlp,
-    tiny_model_path,
     train_in_group,
 )
 from torch.nn.parallel import DistributedDataParallel
@@ -203,9 +208,10 @@ def _trainer_args(data: str, output: Path, *extra: str) -> list[str]:
     step and a checkpoint every 4 steps."""
     return tiny_args(
         Path(data), output,
-        "--model", str(tiny_model_path("llama")), "--seq-length", "16", "--batch-size", "2",
+        "--model", str(SMALL_LLAMA), "--seq-length", "16", "--batch-size", "2",
         "--accumulation-steps", "2", "--warmup-steps", "2", "--log-every", "1",
-        "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "4", *extra,
+        "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "4",
+        *extra, tokenizer=SMALL_TOKENIZER,
     )  # fmt: skip
 
 

@@ -16,7 +16,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from distributed_harness import PEAK, REPO, logged_losses, run_distributed
+from distributed_harness import (
+    PEAK,
+    REPO,
+    SMALL_LLAMA,
+    SMALL_TOKENIZER,
+    logged_losses,
+    run_distributed,
+)
 from tiny_models import digest, train_in_group
 
 from torchrun_ddp.compression.replicas import local_shard
@@ -39,8 +46,8 @@ def _argv(base: Path, node: int, steps: int, extra: list[str]) -> list[str]:
     data = REPO / "data"
     return [
         "--config", str(REPO / "configs" / "tiny.toml"),
-        "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
-        "--tokenizer", str(data / "tokenizer" / "mistral-7b-v0.1"),
+        "--model", str(SMALL_LLAMA),
+        "--tokenizer", str(SMALL_TOKENIZER),
         "--data-files", str(data / "c4" / "*train*.json.gz"),
         "--eval-files", str(data / "c4" / "*validation*.json.gz"),
         "--output-dir", str(base / "out"), "--checkpoint-dir", str(base / f"node-{node}"),

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import (
+    SMALL_LLAMA,
     accumulating_args,
     final_weights,
     logged_losses,
     run_distributed,
 )
-from tiny_models import comm_bytes, digest, tiny_llama_config, tiny_model_path, train_in_group
+from tiny_models import comm_bytes, digest, tiny_llama_config, train_in_group
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -176,7 +177,7 @@ def test_fsdp_traffic_is_counted_per_step(runs: tuple[Path, list]) -> None:
     once; 4 B, half from the peer) and reduce-scatters the gradients once (half of 4 B x P)."""
     root, _ = runs
     ddp, fsdp, hsdp = (comm_bytes(root / name) for name in ("ddp", "fsdp", "hsdp"))
-    model = meta_model(load_model_config(str(tiny_model_path("llama"))))
+    model = meta_model(load_model_config(str(SMALL_LLAMA)))
     parameters = sum(p.numel() for p in model.parameters())
     outside = sum(p.numel() for n, p in model.named_parameters() if ".layers." not in n)
     gathered = 2 * (2 * parameters - outside) * 4 // 2  # 2 micro-batches, this rank's half

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import (
+    SMALL_LLAMA,
     accumulating_args,
     final_weights,
     logged_losses,
     run_distributed,
 )
-from tiny_models import comm_bytes, digest, tiny_model_path, train_in_group
+from tiny_models import comm_bytes, digest, train_in_group
 
 from torchrun_ddp.compression import dct_payload_bytes, wire_bytes
 from torchrun_ddp.compression.replicas import local_shard
@@ -174,7 +175,7 @@ def test_compiled_blocks_send_the_same_payload(runs: tuple[Path, list]) -> None:
 
 
 def _parameter_shapes() -> list[tuple[int, ...]]:
-    model = meta_model(load_model_config(str(tiny_model_path("llama"))))
+    model = meta_model(load_model_config(str(SMALL_LLAMA)))
     return [tuple(p.shape) for p in model.parameters()]
 
 
