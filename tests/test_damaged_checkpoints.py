@@ -15,14 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from distributed_harness import (
-    PEAK,
-    REPO,
-    SMALL_LLAMA,
-    SMALL_TOKENIZER,
-    logged_losses,
-    run_distributed,
-)
+from distributed_harness import folder_args, logged_losses, run_distributed
 from tiny_models import LogLines, digest, train_in_group
 
 from torchrun_ddp.checkpoint import MANIFEST, inventory, verify_step
@@ -31,20 +24,6 @@ from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import PERTURB_ENV
 
 pytestmark = pytest.mark.slow  # spawned 2- and 4-rank training runs
-
-
-def _argv(base: Path, folder: str, steps: int) -> list[str]:
-    data = REPO / "data"
-    return [
-        "--config", str(REPO / "configs" / "tiny.toml"), "--model", str(SMALL_LLAMA),
-        "--tokenizer", str(SMALL_TOKENIZER),
-        "--data-files", str(data / "c4" / "*train*.json.gz"),
-        "--eval-files", str(data / "c4" / "*validation*.json.gz"),
-        "--output-dir", str(base / "out"), "--checkpoint-dir", str(base / folder),
-        "--seq-length", "32", "--batch-size", "1", "--max-steps", str(steps),
-        "--checkpoint-every", "2", "--log-every", "1", "--eval-every", "0",
-        "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1", *PEAK,
-    ]  # fmt: skip
 
 
 def _train(
@@ -59,7 +38,7 @@ def _train(
         with LogLines() as log:
             try:
                 trainer = train_in_group(
-                    rank, world, _argv(Path(base), folder, steps), False, per_node
+                    rank, world, folder_args(Path(base), folder, steps), False, per_node
                 )
             except UserError as exc:
                 return {"error": str(exc), "lines": log.lines}
@@ -240,7 +219,7 @@ def _nan_worker(rank: int, world_size: int, base: str) -> str:
     there: the rank's one-line stop, or "" if none."""
     os.environ[PERTURB_ENV] = "nan-loss:3"
     try:
-        train_in_group(rank, world_size, _argv(Path(base), "ckpt", 6))
+        train_in_group(rank, world_size, folder_args(Path(base), "ckpt", 6))
     except UserError as exc:
         return str(exc)
     finally:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from distributed_harness import (
     REPO,
+    folder_args,
     free_port,
     logged_losses,
     run_distributed,
@@ -22,7 +23,7 @@ from distributed_harness import (
     torchrun_command,
 )
 from test_elastic import _kill_tree, _listening, _wait_for
-from test_node_local import _argv, _train
+from test_node_local import _train
 from tiny_models import digest
 from transformers import AutoModelForCausalLM
 
@@ -41,7 +42,7 @@ agents time out in the round after an agent joins (docs/fault-tolerance.md)."""
 
 def _agent(base: Path, node: int, port: int, restarts: int, log: Path) -> subprocess.Popen[bytes]:
     """One node: a torchrun agent of 2 ranks, its own checkpoint folder ``base/node-<n>``."""
-    args = _argv(base, node, STEPS, ["--train-timeout-s", "30", "--timeout-s", "120"])
+    args = folder_args(base, f"node-{node}", STEPS, "--train-timeout-s", "30", "--timeout-s", "120")
     command = torchrun_command(args, 2, 2, port, (f"--max-restarts={restarts}", *RDZV))
     return subprocess.Popen(
         command, cwd=REPO, env=subprocess_env(shared_store=False), stdout=log.open("w"),

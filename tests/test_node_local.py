@@ -16,14 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from distributed_harness import (
-    PEAK,
-    REPO,
-    SMALL_LLAMA,
-    SMALL_TOKENIZER,
-    logged_losses,
-    run_distributed,
-)
+from distributed_harness import folder_args, logged_losses, run_distributed
 from tiny_models import digest, train_in_group
 
 from torchrun_ddp.compression.replicas import local_shard
@@ -40,21 +33,6 @@ METHODS = {
     "hsdp": ["--data-parallel", "hsdp", "--compression", "none"],
     "hsdp-demo": ["--data-parallel", "hsdp", "--optimizer", "demo", "--compression", "none"],
 }  # fmt: skip
-
-
-def _argv(base: Path, node: int, steps: int, extra: list[str]) -> list[str]:
-    data = REPO / "data"
-    return [
-        "--config", str(REPO / "configs" / "tiny.toml"),
-        "--model", str(SMALL_LLAMA),
-        "--tokenizer", str(SMALL_TOKENIZER),
-        "--data-files", str(data / "c4" / "*train*.json.gz"),
-        "--eval-files", str(data / "c4" / "*validation*.json.gz"),
-        "--output-dir", str(base / "out"), "--checkpoint-dir", str(base / f"node-{node}"),
-        "--seq-length", "32", "--batch-size", "1", "--max-steps", str(steps),
-        "--checkpoint-every", "2", "--log-every", "1", "--eval-every", "0",
-        "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1", *PEAK, *extra,
-    ]  # fmt: skip
 
 
 class _Warnings(logging.Handler):
@@ -74,9 +52,8 @@ def _train(
     warnings = _Warnings()
     logging.getLogger("torchrun_ddp").addHandler(warnings)
     try:
-        trainer = train_in_group(
-            rank, world, _argv(Path(base), rank // per_node, steps, extra), False, per_node
-        )
+        argv = folder_args(Path(base), f"node-{rank // per_node}", steps, *extra)
+        trainer = train_in_group(rank, world, argv, False, per_node)
     except UserError as exc:
         return {"error": str(exc)}
     finally:
