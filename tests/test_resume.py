@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from distributed_harness import (
     REFERENCE_STEPS,
-    REPO,
+    SMALL_LLAMA,
+    SMALL_TOKENIZER,
     assert_same_run,
     logged_losses,
     reference_args,
@@ -28,8 +29,7 @@ from torchrun_ddp.errors import UserError
 pytestmark = pytest.mark.slow  # stops and resumes torchrun runs
 
 SMALL = (
-    "--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json"),
-    "--seq-length", "16",
+    "--model", str(SMALL_LLAMA), "--tokenizer", str(SMALL_TOKENIZER), "--seq-length", "16",
 )  # fmt: skip
 VARIANTS = {
     "dct-zero1-bf16-mixed-ac": (
@@ -40,9 +40,9 @@ VARIANTS = {
 """Settings whose resume is checked besides plain DDP (whose stop-and-resume runs are
 tests/test_faults.py's SIGKILL and SIGTERM runs), in one run since each start costs seconds:
 rotating DCT (its selection follows the step; its error-feedback residuals are per-rank state),
-ZeRO-1 (per-rank optimizer shards), autocast and activation checkpointing. They train the
-hidden-64 LLaMA on 16-token windows (``SMALL``): they check resume, not speed, and CPUs without
-bf16 units (no avx512_bf16/AMX) run bf16 matmuls about 100x slower than fp32."""
+ZeRO-1 (per-rank optimizer shards), autocast and activation checkpointing. They train
+SMALL_LLAMA (4,096 tokens) on 16-token windows (``SMALL``): they check resume, not speed, and
+CPUs without bf16 units (no avx512_bf16/AMX) run bf16 matmuls about 100x slower than fp32."""
 
 
 def _variant_worker(
