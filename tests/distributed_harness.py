@@ -144,17 +144,14 @@ def folder_args(base: Path, folder: str, steps: int, *extra: str) -> list[str]:
     """The checkpoint-storage tests' config: SMALL_LLAMA on the bundled sample, ``steps`` steps
     of 1 x 32 tokens per rank, a checkpoint every 2 into ``base/<folder>`` (a node's folder, or
     a shared one), the output in ``base/out``, one torch thread per rank."""
-    data = REPO / "data"
-    return [
-        "--config", str(REPO / "configs" / "tiny.toml"), "--model", str(SMALL_LLAMA),
-        "--tokenizer", str(SMALL_TOKENIZER),
-        "--data-files", str(data / "c4" / "*train*.json.gz"),
-        "--eval-files", str(data / "c4" / "*validation*.json.gz"),
-        "--output-dir", str(base / "out"), "--checkpoint-dir", str(base / folder),
+    return tiny_args(
+        REPO / "data", base / "out",
+        "--model", str(SMALL_LLAMA), "--checkpoint-dir", str(base / folder),
         "--seq-length", "32", "--batch-size", "1", "--max-steps", str(steps),
         "--checkpoint-every", "2", "--log-every", "1", "--eval-every", "0",
-        "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1", *PEAK, *extra,
-    ]  # fmt: skip
+        "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1", *extra,
+        tokenizer=SMALL_TOKENIZER,
+    )  # fmt: skip
 
 
 REFERENCE_STEPS = 16

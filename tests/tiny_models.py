@@ -11,6 +11,7 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
+from distributed_harness import SMALL_TOKENIZER
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig
 
@@ -22,10 +23,12 @@ from torchrun_ddp.training_data import load_tokenizer
 from torchrun_ddp.training_state import save_final_model
 
 REPO = Path(__file__).resolve().parents[1]
-# The bundled tokenizer, loaded into the per-process cache (``documents.load_tokenizer``) at
-# import: ranks forked from a process that preloads this module (the fork server's PRELOAD,
-# tests/forked_torchrun.py) do not parse it again in every training.
-load_tokenizer(str(REPO / "data" / "tokenizer" / "mistral-7b-v0.1"))
+# The tests' two tokenizers (the bundled Mistral one, SMALL_TOKENIZER), loaded into the
+# per-process cache (``documents.load_tokenizer``) at import: ranks forked from a process that
+# preloads this module (the fork server's PRELOAD, tests/forked_torchrun.py) do not parse them
+# again in every training.
+for _tokenizer in (REPO / "data" / "tokenizer" / "mistral-7b-v0.1", SMALL_TOKENIZER):
+    load_tokenizer(str(_tokenizer))
 
 
 def tiny_llama_config(vocab_size: int = 128) -> LlamaConfig:
