@@ -50,6 +50,7 @@ def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         (["--device-memory-gib", "1.5"], "the memory plan needs 1.7 GiB per rank but the device"),
         (["--device-memory-gib", "1.5"], "it would fit with --batch-size 1"),
         (["--device-memory-gib", "0.5"], "no combination fits in 0.5 GiB"),
+        (["--fused-loss", "liger"], "--fused-loss liger runs Triton kernels on CUDA"),
     ],
 )
 def test_bad_input_gives_one_line_and_saves_nothing(

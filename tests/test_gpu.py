@@ -13,6 +13,14 @@ import torch
 from distributed_harness import REPO, subprocess_env, torchrun, torchrun_command
 from test_end_to_end import e2e_args
 
+from torchrun_ddp.model import (
+    apply_fused_loss,
+    autocast_context,
+    build_model,
+    causal_lm_inputs,
+    load_model_config,
+)
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -33,6 +41,56 @@ def test_tiny_config_trains_with_nccl_and_bf16(
     losses = [r["loss"] for r in records if "loss" in r]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert "nccl" in result.stdout + result.stderr
+    assert "training loss: Liger's fused linear cross-entropy" in result.stdout + result.stderr
+
+
+def _loss_and_grads(
+    fused: bool, precision: str, batch: torch.Tensor, items: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The tiny LLaMA's training loss on ``batch`` ([B, 3, L]) and its gradients, built on the
+    GPU from seed 0, with Liger's fused loss or transformers' own."""
+    config = load_model_config(str(REPO / "configs" / "tiny-models" / "llama" / "config.json"))
+    model = build_model("tiny", config, "random", precision, 0, torch.device("cuda"))
+    if fused:
+        apply_fused_loss(model)
+    model.train()
+    kwargs = {} if items is None else {"num_items_in_batch": items}
+    with autocast_context(precision, batch.device):
+        loss = model(**causal_lm_inputs(batch), **kwargs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("fp32", 1e-4), ("bf16-mixed", 2e-2)])
+@pytest.mark.parametrize("summed", [False, True])
+def test_fused_loss_matches_the_plain_loss(precision: str, tolerance: float, summed: bool) -> None:
+    """Liger's fused linear cross-entropy gives transformers' loss and the same gradient for
+    every weight (relative L2 error under ``tolerance``), on labels with ignored (-100) tokens
+    and restarting positions, as a mean or as a sum over ``num_items_in_batch``."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32000, (2, 64), generator=generator)
+    labels = ids.clone()
+    labels[:, :10] = -100  # a prompt: not trained
+    positions = torch.cat([torch.arange(32), torch.arange(32)]).expand(2, 64)
+    batch = torch.stack([ids, labels, positions], dim=1).cuda()
+    items = torch.tensor(100.0, device="cuda") if summed else None
+    plain_loss, plain = _loss_and_grads(False, precision, batch, items)
+    fused_loss, fused = _loss_and_grads(True, precision, batch, items)
+    assert torch.allclose(fused_loss.float(), plain_loss.float(), rtol=tolerance)
+    for name, grad in plain.items():
+        error = (fused[name].float() - grad.float()).norm() / grad.float().norm()
+        assert error < tolerance, f"{name}: relative error {error:.2e}"
+
+
+def test_random_init_is_drawn_on_the_gpu() -> None:
+    """--init random builds the weights on the GPU itself, the same from the same seed."""
+    config = load_model_config(str(REPO / "configs" / "tiny-models" / "llama" / "config.json"))
+    first = build_model("tiny", config, "random", "fp32", 7, torch.device("cuda"))
+    again = build_model("tiny", config, "random", "fp32", 7, torch.device("cuda"))
+    pairs = zip(first.state_dict().items(), again.state_dict().values(), strict=True)
+    for (name, weight), other in pairs:
+        assert weight.device.type == "cuda", name
+        assert torch.equal(weight, other), name
 
 
 def test_llama2_7b_dry_run_plans_for_the_visible_gpu() -> None:

@@ -57,6 +57,7 @@ from torchrun_ddp.plan.memory import (
     GIB,
     PlanSettings,
     activation_estimate,
+    fused_loss_bytes,
     plan_memory,
     zero_shard,
 )
@@ -589,3 +590,67 @@ def test_powersgd_plan_counts_the_hooks_factors_exactly() -> None:
     settings = CompressionSettings("powersgd", powersgd_rank=4)
     exact = estimate(settings, sizes, Topology(4, 2, 1e10, 1e8), shapes)
     assert exact.wire_bytes == pytest.approx(wire_bytes("all_reduce", (factors + whole) * 4, 4))
+
+
+ONE_B = REPO / "configs" / "llama-1b" / "config.json"
+
+
+def test_fused_loss_replaces_the_logits_by_its_gradients_and_one_chunk() -> None:
+    """Liger's fused loss holds no [B, T, V] logits: during forward the hidden states' gradient
+    [B T, H] and lm_head's [V, H] (fp32 under DDP's bf16-mixed) and one [C, V] chunk of bf16
+    logits, C = 1024 for 16,384 tokens at H 2048, V 32,000; at backward the two gradients."""
+    config = load_model_config(str(ONE_B))
+    plain = PlanSettings(world_size=1, micro_batch=8, seq_length=2048, precision="bf16-mixed")
+    fused = replace(plain, fused_loss=True)
+    tokens, hidden, vocab = 8 * 2048, 2048, 32000
+    arch = architecture(config)
+    grads = 4 * tokens * hidden + 4 * vocab * hidden
+    assert fused_loss_bytes(arch, fused, "bf16-mixed") == (grads + 2 * 1024 * vocab, grads)
+    plain_plan = plan_memory(config, 1_100_048_384, plain)
+    fused_plan = plan_memory(config, 1_100_048_384, fused)
+    assert plain_plan.activations - fused_plan.activations == 12 * tokens * vocab - grads
+    forward = "end of forward"
+    saved = 10 * tokens * vocab - grads - 2 * 1024 * vocab
+    assert plain_plan.phases[forward] - fused_plan.phases[forward] == saved
+    assert "fused loss" in fused_plan.settings.describe()
+
+
+def test_fused_loss_under_fsdp_and_lora_holds_bf16_and_no_head_gradient() -> None:
+    """FSDP2's bf16-mixed computes with bf16 hidden states and a bf16 gathered head; LoRA's
+    frozen head gets no gradient."""
+    config = load_model_config(str(ONE_B))
+    arch = architecture(config)
+    tokens, hidden, vocab = 8 * 2048, 2048, 32000
+    fsdp = PlanSettings(1, 8, 2048, precision="bf16-mixed", data_parallel="fsdp", fused_loss=True)
+    assert fused_loss_bytes(arch, fsdp, "bf16")[1] == 2 * tokens * hidden + 2 * vocab * hidden
+    lora = replace(fsdp, data_parallel="ddp", adapter_sizes=(8,))
+    assert fused_loss_bytes(arch, lora, "bf16")[1] == 2 * tokens * hidden
+
+
+@pytest.mark.parametrize(
+    ("flags", "fused"),
+    [
+        ((), True),
+        (("--device", "cpu"), False),
+        (("--fused-loss", "none"), False),
+        (("--model", str(REPO / "configs" / "tiny-models" / "gpt2" / "config.json")), False),
+    ],
+)
+def test_a_plan_for_a_gpu_counts_the_fused_loss_that_auto_picks(
+    flags: tuple[str, ...], fused: bool
+) -> None:
+    """--fused-loss auto plans Liger's loss for LLaMA on a GPU (any --device but cpu), and the
+    logits for --device cpu, --fused-loss none and model types auto leaves alone."""
+    run = parse_config(["--model", str(ONE_B), "--init", "random", "--seq-length", "64", *flags])
+    plan, _ = plan_run(run, load_model_config(run.model), 1, 80.0)
+    assert plan.settings.fused_loss is fused
+
+
+def test_the_7b_config_file_is_the_packaged_llama2_7b(config: LlamaConfig) -> None:
+    """configs/llama2-7b/config.json (random-init runs without the hub) has LLaMA-2-7B's
+    shape and parameter count."""
+    local = load_model_config(str(REPO / "configs" / "llama2-7b" / "config.json"))
+    assert architecture(local) == architecture(config)
+    expected = {**config.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    assert {**local.to_dict(), "_name_or_path": ""} == expected
+    assert parameter_count(meta_model(local)) == N

@@ -44,8 +44,10 @@ from torchrun_ddp.metrics import (
 )
 from torchrun_ddp.model import (
     PRECISION_DTYPES,
+    apply_fused_loss,
     apply_lora,
     build_model,
+    check_fused_loss,
     compile_blocks,
     compile_model,
     enable_activation_checkpointing,
@@ -53,6 +55,7 @@ from torchrun_ddp.model import (
     settle_buckets,
     trainable_parameter_sizes,
     trained_tokens,
+    uses_fused_loss,
     wrap_ddp,
 )
 from torchrun_ddp.optim import ScheduleSettings, build_scheduler
@@ -68,6 +71,7 @@ from torchrun_ddp.parallelize import (
 )
 from torchrun_ddp.plan import (
     matmul_parameter_count,
+    meta_model,
     model_flops_per_token,
     parameter_count,
 )
@@ -129,17 +133,35 @@ class ModelSpec:
     seed: int
 
 
+def rank0_build_device(spec: ModelSpec, device: torch.device) -> torch.device:
+    """Where rank 0 builds the full weights it scatters to FSDP's shards: its GPU for a random
+    init whose weights take at most half of the GPU's free memory (drawn there in seconds; the
+    shards and the full copy then both fit), else the host (pretrained weights load there, and a
+    GPU too small for the whole model is the reason to shard). The other ranks build on meta."""
+    if dist.get_rank() != 0:
+        return torch.device("meta")
+    if device.type != "cuda" or spec.init != "random":
+        return torch.device("cpu")
+    dtype = PRECISION_DTYPES[spec.precision]
+    weights = parameter_count(meta_model(spec.model_config)) * dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if 2 * weights <= free else torch.device("cpu")
+
+
 def shard_from_rank0(
-    spec: ModelSpec, device: torch.device, mesh: DeviceMesh, checkpointing: bool
+    spec: ModelSpec, device: torch.device, mesh: DeviceMesh, checkpointing: bool, fused: bool
 ) -> tuple[torch.nn.Module, ShardedUnits]:
     """Collective: the model of ``spec`` sharded by FSDP2 over ``mesh`` (``shard_model``), with
-    one full copy in host memory: rank 0 builds the weights on the host, the other ranks the
-    shapes on the meta device, and rank 0's weights are scattered to the shards
-    (``load_from_rank0``). Activation checkpointing first when ``checkpointing``."""
-    host = torch.device("cpu") if dist.get_rank() == 0 else torch.device("meta")
+    one full copy on rank 0 (``rank0_build_device``: its GPU or its host), the shapes on the
+    meta device on the other ranks; rank 0's weights are then scattered to the shards
+    (``load_from_rank0``). Activation checkpointing first when ``checkpointing``, Liger's fused
+    loss when ``fused``."""
+    host = rank0_build_device(spec, device)
     model = build_model(spec.name, spec.model_config, spec.init, spec.precision, spec.seed, host)
     if checkpointing:
         enable_activation_checkpointing(model)
+    if fused:
+        apply_fused_loss(model)
     rank0_state = rank0_weights(model)
     units = shard_model(model, mesh, spec.precision)
     load_from_rank0(model, device, rank0_state)
@@ -161,6 +183,7 @@ def build_sharded_model(
     model, units = shard_from_rank0(
         ModelSpec(config.model, inputs.model_config, config.init, config.precision, config.seed),
         device, mesh if replicate is None else mesh["shard"], config.activation_checkpointing,
+        fused_loss(config, device, inputs.model_config),
     )  # fmt: skip
     if config.compile:
         compile_blocks(decoder_layers(model))
@@ -181,6 +204,18 @@ def build_sharded_model(
         "" if replicate is None else f"; --compression {config.compression} across replicas",
     )  # fmt: skip
     return model, method.register_sharded(model, exchange, replicate)
+
+
+def fused_loss(config: TrainConfig, device: torch.device, model_config: PretrainedConfig) -> bool:
+    """Whether this run trains with Liger's fused linear cross-entropy (``--fused-loss``,
+    ``model.uses_fused_loss``). Raises UserError where --fused-loss liger cannot run here."""
+    model_type = str(getattr(model_config, "model_type", "") or "")
+    if config.fused_loss == "liger":
+        check_fused_loss(device.type, model_type)
+    used = uses_fused_loss(config.fused_loss, device.type, model_type)
+    what = "Liger's fused linear cross-entropy" if used else "logits, then cross-entropy"
+    log.info("training loss: %s (--fused-loss %s)", what, config.fused_loss)
+    return used
 
 
 def build_parallel_model(
@@ -211,6 +246,8 @@ def build_ddp_model(
     )
     if config.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if fused_loss(config, device, inputs.model_config):
+        apply_fused_loss(model)
     if config.peft == "lora":
         model = apply_lora(model, lora_settings(config))
     ddp_model = wrap_ddp(

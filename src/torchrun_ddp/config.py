@@ -76,6 +76,15 @@ class TrainConfig:
         "decoder layer; falls back to eager with a warning where compilation fails. "
         "Checkpoints stay loadable without compile.",
     )
+    fused_loss: str = _opt(
+        "auto",
+        "The training loss: liger computes lm_head and cross-entropy chunk by chunk (Liger "
+        "Kernel's fused linear cross-entropy, CUDA only), never holding the [batch, seq, vocab] "
+        "logits; none computes the logits, then transformers' cross-entropy. auto: liger on "
+        "CUDA for model types Liger Kernel supports, else none. The held-out loss is always "
+        "computed without it.",
+        choices=["auto", "liger", "none"],
+    )
     peft: str = _opt(
         "none",
         "Parameter-efficient fine-tuning: none trains every weight; lora freezes the base model "
@@ -452,6 +461,12 @@ class TrainConfig:
         500, "Checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)."
     )
     keep_checkpoints: int = _opt(3, "Complete checkpoints kept; older ones are deleted.")
+    save_at_end: bool = _opt(
+        True,
+        "At the end of training, checkpoint the last step and write final_model/ "
+        "(--no-save-at-end: neither, for throughput runs and smoke tests; the --checkpoint-every "
+        "checkpoints and the one on SIGTERM/SIGINT stay).",
+    )
     resume: bool = _opt(
         True, "Resume from the newest complete checkpoint in --checkpoint-dir (--no-resume: fresh)."
     )

@@ -27,6 +27,7 @@ from torchrun_ddp.model import (
     apply_lora,
     load_model_config,
     lora_settings,
+    uses_fused_loss,
 )
 from torchrun_ddp.plan.architecture import (
     llama2_7b_config,
@@ -73,11 +74,26 @@ def plan_settings(
     )
 
 
+def planned_device_type(config: TrainConfig) -> str:
+    """The device type a plan is for: a plan is for a GPU unless --device cpu (--dry-run needs
+    none to plan for one)."""
+    return "cpu" if config.device == "cpu" else "cuda"
+
+
 def plan_run(
-    config: TrainConfig, model_config: PretrainedConfig, world_size: int, memory_gib: float
+    config: TrainConfig,
+    model_config: PretrainedConfig,
+    world_size: int,
+    memory_gib: float,
+    device_type: str = "",
 ) -> tuple[MemoryPlan, list[str]]:
     """This run's per-rank memory plan (parameters counted on the meta device) and, when it does
-    not fit, the setting changes that would make it fit."""
+    not fit, the setting changes that would make it fit. ``device_type`` ("cuda", "cpu"; empty:
+    ``planned_device_type``) decides whether ``--fused-loss auto`` is planned as Liger's fused
+    loss (``model.uses_fused_loss``)."""
+    model_type = str(getattr(model_config, "model_type", "") or "")
+    device_type = device_type or planned_device_type(config)
+    fused = uses_fused_loss(config.fused_loss, device_type, model_type)
     model = meta_model(model_config)
     sizes = parameter_sizes(model)
     active = matmul_parameter_count(model, model_config)
@@ -100,6 +116,7 @@ def plan_run(
         plan_settings(config, world_size, memory_gib, adapters),
         compression_state_bytes=state,
         compression_buffer_bytes=buffers,
+        fused_loss=fused,
     )
     plan = plan_memory(model_config, sum(sizes), settings, sizes, active_parameters=active)
     if plan.fits:
@@ -400,7 +417,7 @@ def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv
     Checked when the device memory is known: --device-memory-gib, or the visible GPU when the
     run uses CUDA. Raises UserError before any weights are loaded or any process group starts.
     """
-    uses_cuda = config.device != "cpu" and torch.cuda.is_available()
+    uses_cuda = run_device_type(config) == "cuda"
     memory = config.device_memory_gib or (visible_device_gib() if uses_cuda else 0.0)
     if not memory:
         return
@@ -409,7 +426,8 @@ def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv
             "no memory plan: the model config lacks %s", ", ".join(missing_sizes(model_config))
         )
         return
-    plan, hints = plan_run(config, model_config, env.world_size, memory)
+    device_type = "cuda" if uses_cuda else "cpu"
+    plan, hints = plan_run(config, model_config, env.world_size, memory, device_type)
     if plan.fits:
         return
     fix = hints[0] if hints[0].startswith("no combination") else f"it would fit with {hints[0]}"
@@ -417,6 +435,12 @@ def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv
         f"the memory plan needs {plan.total / 2**30:.1f} GiB per rank but the device has "
         f"{memory:g} GiB ({plan.settings.describe()}); {fix} (see --dry-run)"
     )
+
+
+def run_device_type(config: TrainConfig) -> str:
+    """The device type a real start of this run trains on (``distributed.pick_device``): cuda
+    unless --device cpu or no GPU is visible."""
+    return "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def visible_device_gib() -> float:

@@ -26,13 +26,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from torchrun_ddp.checkpoint import find_latest, read_meta
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import check_fits
+from torchrun_ddp.dry_run import check_fits, run_device_type
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.methods import method_for
 from torchrun_ddp.metrics import (
     check_wandb_installed,
 )
 from torchrun_ddp.model import (
+    check_fused_loss,
     load_model_config,
     max_positions,
 )
@@ -80,6 +81,8 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     UserError on the first problem."""
     model_config = load_model_config(config.model)
     check_settings(config, env, model_config)
+    if config.fused_loss == "liger":
+        check_fused_loss(run_device_type(config), str(model_config.model_type or ""))
     check_fits(config, model_config, env)
     check_paths(config)
     check_data_error(config)

@@ -16,12 +16,14 @@ model's config, LoRA on the meta model, precision dtypes), and the settings and 
 
 from torchrun_ddp.plan.architecture import (
     matmul_parameter_count,
+    meta_model,
     model_flops_per_token,
     parameter_count,
 )
 
 __all__ = [
     "matmul_parameter_count",
+    "meta_model",
     "model_flops_per_token",
     "parameter_count",
 ]

@@ -107,6 +107,9 @@ class PlanSettings:
     sharded over all ``world_size`` ranks) or ``hsdp`` (sharded over ``shard_degree`` ranks)."""
     shard_degree: int = 0
     """hsdp: ranks one replica is sharded over (0: ``world_size``, as fsdp)."""
+    fused_loss: bool = False
+    """Liger's fused linear cross-entropy (--fused-loss): no [B, T, V] logits; see
+    ``fused_loss_bytes``."""
 
     @property
     def shard_ranks(self) -> int:
@@ -148,6 +151,7 @@ class PlanSettings:
         parts += ["grad bucket view"] if self.gradient_as_bucket_view else []
         parts += ["LoRA"] if self.lora else []
         parts += ["DeMo"] if self.optimizer == "demo" else []
+        parts += ["fused loss"] if self.fused_loss else []
         return (
             f"{' + '.join(parts)}, {self.world_size} x {self.device_memory_gib:g} GiB, "
             f"micro-batch {self.micro_batch} x {self.seq_length} tokens"
@@ -237,7 +241,8 @@ def activation_estimate(arch: Architecture, settings: PlanSettings) -> Activatio
     log-probabilities, 4 B T V bytes; the end of forward also holds the logits themselves (fp32:
     8 B T V in all; bf16 logits plus their fp32 copy: 10 B T V), and the start of backward holds
     the log-probs, their gradient and the logits' gradient (12 B T V). For vocab 32000 this term
-    dwarfs the layers of a small model.
+    dwarfs the layers of a small model. Under ``settings.fused_loss`` it is
+    ``fused_loss_bytes`` instead.
     """
     tokens = settings.micro_batch * settings.seq_length
     compute = _activation_precision(settings)
@@ -251,12 +256,35 @@ def activation_estimate(arch: Architecture, settings: PlanSettings) -> Activatio
         per_layer = tokens * arch.hidden * _PRECISION_BYTES[compute].residual
     logits = tokens * arch.vocab
     fp32_logits = settings.precision == "fp32"
+    loss_forward, loss_backward = (8 if fp32_logits else 10) * logits, 12 * logits
+    if settings.fused_loss:
+        loss_forward, loss_backward = fused_loss_bytes(arch, settings, compute)
     return ActivationEstimate(
         saved=arch.layers * per_layer + tokens * (arch.hidden * saved.head + 4),
         layer=layer,
-        loss_forward=(8 if fp32_logits else 10) * logits,
-        loss_backward=12 * logits,
+        loss_forward=loss_forward,
+        loss_backward=loss_backward,
     )
+
+
+def fused_loss_bytes(arch: Architecture, settings: PlanSettings, compute: str) -> tuple[int, int]:
+    """Bytes of Liger's fused linear cross-entropy for one micro-batch of B T tokens: (during
+    forward, at the start of backward). Its forward computes the gradients too, so it holds
+    the hidden states' gradient [B T, H] (the residual stream's dtype), lm_head's weight gradient
+    [V, H] (the weight's dtype as computed: fp32 under DDP, bf16 gathered under FSDP's
+    bf16-mixed; none for a frozen head under LoRA) and one chunk of logits [C, V] (bf16 unless
+    fp32), C = min(next power of 2 of ceil(B T / ceil(V / H)), B T), as
+    ``liger_kernel.ops.fused_linear_cross_entropy`` sizes it; backward starts with the two
+    gradients only."""
+    tokens = settings.micro_batch * settings.seq_length
+    residual = _PRECISION_BYTES[compute].residual
+    head = 0 if settings.lora else residual
+    grads = tokens * arch.hidden * residual + arch.vocab * arch.hidden * head
+    chunk = min(
+        1 << (math.ceil(tokens / math.ceil(arch.vocab / arch.hidden)) - 1).bit_length(), tokens
+    )
+    logit_bytes = 4 if settings.precision == "fp32" else 2
+    return grads + chunk * arch.vocab * logit_bytes, grads
 
 
 def _activation_precision(settings: PlanSettings) -> str:
