@@ -81,7 +81,7 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
     try:
         trainer = start(config, env, device, inputs, attempt)
         finished = train(trainer)
-        if finished:
+        if finished and config.save_at_end:
             save_final_model(trainer)
         trainer.metrics.close()
         return finished
@@ -150,6 +150,10 @@ def train(trainer: Trainer) -> bool:
             trainer.step += 1
             if trainer.step == first_step:  # start-up is over: notice a lost rank sooner
                 set_collective_timeout(train_timeout_s(config))
+                log.info(
+                    "step %d done %.1f s after the process started",
+                    trainer.step, seconds_since_process_start(),
+                )  # fmt: skip
             trainer.tokens_seen += trainer.window.tokens_per_step
             step_time = time.perf_counter() - started
             trainer.window.add(loss, grad_norm, step_time, trainer.compression.pop_step_bytes())
@@ -296,5 +300,7 @@ def finish(trainer: Trainer) -> None:
         log.warning("%s", warning)
     if config.eval_every == 0 or step % config.eval_every != 0:
         trainer.metrics.log({"step": step, **evaluate(trainer)})
+    if not config.save_at_end:
+        return
     if config.checkpoint_every == 0 or step % config.checkpoint_every != 0:
         save(trainer)
