@@ -15,7 +15,9 @@ from torchrun_ddp.config_io import parse_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import first_steps
 import memory
+import throughput
 from common import Variant, all_variants, optimizer_of
 from compression import learning_rates, method_lrs, parse_args, sd_cell, seeds_needed
 
@@ -73,3 +75,28 @@ def test_the_memory_benchmark_plans_hsdp_at_its_shard_degree(
     assert memory.main(argv) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--shard-degree" in error, error
+
+
+def test_throughput_settings_name_the_loss_micro_batch_and_checkpointing() -> None:
+    """``benchmarks/throughput.py`` setting names: -liger and -plain pick --fused-loss, -mbN the
+    micro-batch per rank, -ac activation checkpointing; the flags parse as a train config."""
+    setting = throughput._setting("1x1-bf16-fsdp-compile-liger-mb32-ac")
+    args = throughput.parse_args(["--device", "cuda", "--data-dir", "data"])
+    config = parse_config(throughput.train_argv(args, setting, Path("/tmp/out")))
+    assert (config.fused_loss, config.batch_size, config.data_parallel) == ("liger", 32, "fsdp")
+    assert config.compile and config.activation_checkpointing and not config.save_at_end
+    assert config.precision == "bf16-mixed" and config.device == "cuda"
+    plain = parse_config(throughput.train_argv(args, throughput._setting("2x1-fp32-plain"), Path()))
+    assert (plain.fused_loss, plain.batch_size, plain.data_parallel) == ("none", 2, "ddp")
+
+
+@pytest.mark.parametrize("run", ["lora", "fsdp"])
+def test_first_steps_runs_are_7b_train_configs_saved_nowhere(run: str) -> None:
+    """``benchmarks/first_steps.py``'s runs: LLaMA-2-7B's shape with random weights, on CUDA,
+    logged every step, no checkpoint or final model at the end."""
+    args = first_steps.parse_args([])
+    config = parse_config(first_steps.train_argv(args, run, Path("/tmp/out")))
+    assert (config.init, config.device, config.log_every) == ("random", "cuda", 1)
+    assert config.model.endswith("configs/llama2-7b/config.json") and not config.save_at_end
+    assert config.peft == ("lora" if run == "lora" else "none")
+    assert config.data_parallel == ("ddp" if run == "lora" else "fsdp")
