@@ -32,9 +32,7 @@ if "forward_sync_buffers" not in inspect.signature(_INIT).parameters:
 if not hasattr(dist, "set_timeout"):
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    def _set_timeout(
-        timeout: datetime.timedelta, group: dist.ProcessGroup | None = None
-    ) -> None:
+    def _set_timeout(timeout: datetime.timedelta, group: dist.ProcessGroup | None = None) -> None:
         _set_pg_timeout(timeout, group)
 
     dist.set_timeout = _set_timeout  # type: ignore[attr-defined]
