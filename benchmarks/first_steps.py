@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, data_args, free_port, kill_group, markdown_table, start, train_env
 
 from torchrun_ddp.config_io import parse_config
-from torchrun_ddp.dry_run import plan_run, visible_device_gib
+from torchrun_ddp.dry_run import visible_device_gib
 from torchrun_ddp.model import load_model_config
+from torchrun_ddp.planning import plan_run
 
 SEVEN_B = REPO / "configs" / "llama2-7b" / "config.json"
 

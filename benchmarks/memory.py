@@ -15,7 +15,7 @@ method checks line shows it). For each setting each rank builds the pieces as
 ``main.build_trainer`` does (``build_model`` from ``--model``, by default
 ``configs/llama-tiny/config.json``, with a random init, ``enable_activation_checkpointing``, then
 ``wrap_ddp`` with ``register_compression`` of method ``none``, or for ``fsdp``/``hsdp``
-``build.shard_from_rank0``, as ``build.build_sharded_model`` uses it: rank 0 builds the weights,
+``parallel.fsdp.shard_from_rank0``, as the fsdp and hsdp modes use it: rank 0 builds the weights,
 the others the shapes on the meta device, ``shard_model`` over the mesh (hsdp: ``--shard-degree``
 ranks per replica, FSDP's own replicate all-reduce), ``load_from_rank0``; then ``build_optimizer``)
 and runs ``--steps`` optimizer steps the way ``main.optimizer_step`` does: forward under
@@ -55,9 +55,9 @@ accounting of weights, gradients, buckets, optimizer state and saved activations
 temporary; the ``fused`` row (the trainer's default) and the ``for-loop`` row show what changes
 with the other implementations.
 
-Planning (``--plans``): ``plan.fit.comparison_table`` for LLaMA-2-7B with the settings of
+Planning (``--plans``): ``planning.comparison_table`` for LLaMA-2-7B with the settings of
 ``configs/llama2_7b.toml`` on 1, 2, 4 and 8 GPUs of 80 GiB and of 24 GiB, plus plain fp32 DDP on
-8 x 80 GiB for contrast, and the first of ``plan.fit.suggestions`` for each row that does not
+8 x 80 GiB for contrast, and the first of ``planning.suggestions`` for each row that does not
 fit. Arithmetic only; nothing is allocated.
 """
 
@@ -86,21 +86,24 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import PretrainedConfig
 
-from torchrun_ddp.build import ModelSpec, shard_from_rank0
 from torchrun_ddp.compression import CompressionSettings, register_compression
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import (
+    ModelSpec,
     autocast_context,
     build_model,
     enable_activation_checkpointing,
     load_model_config,
-    wrap_ddp,
 )
 from torchrun_ddp.optim import build_optimizer
-from torchrun_ddp.parallelize import MeshShape, build_mesh, clip_grad_norm, mesh_shape
+from torchrun_ddp.parallel.base import MeshShape
+from torchrun_ddp.parallel.ddp import wrap_ddp
+from torchrun_ddp.parallel.fsdp import build_mesh, shard_from_rank0
+from torchrun_ddp.parallel.modes import clip_grad_norm, mesh_shape
 from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model, parameter_sizes
-from torchrun_ddp.plan.fit import comparison_table, suggestions
-from torchrun_ddp.plan.memory import MIB, MemoryPlan, PlanSettings, plan_memory
+from torchrun_ddp.plan.memory import MemoryPlan
+from torchrun_ddp.plan.settings import MIB, PlanSettings
+from torchrun_ddp.planning import comparison_table, plan_memory, suggestions
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "configs" / "llama-tiny" / "config.json"
@@ -126,7 +129,7 @@ class Run:
     """hsdp: the ranks one replica is sharded over (a simulated node)."""
 
     def mesh(self, data_parallel: str) -> MeshShape:
-        """The mesh of ``fsdp`` or ``hsdp``, as ``parallelize.mesh_shape`` gives the trainer.
+        """The mesh of ``fsdp`` or ``hsdp``, as ``parallel.modes.mesh_shape`` gives the trainer.
 
         Raises UserError when ``shard_degree`` does not divide ``world_size`` under hsdp."""
         return mesh_shape(data_parallel, self.world_size, self.shard_degree, self.shard_degree)
@@ -284,13 +287,13 @@ def _parallel(
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the model, what the loop runs): DDP with the ``none`` comm hook around a model every
     rank built, or the model sharded by FSDP2 from rank 0's seeded weights by
-    ``build.shard_from_rank0``, as ``build.build_sharded_model`` does."""
+    ``parallel.fsdp.shard_from_rank0``, as the fsdp and hsdp modes build it."""
     device = torch.device("cpu")
-    spec = ModelSpec(str(run.model), config, "random", setting.precision, 0)
+    spec = ModelSpec(str(run.model), config, "random", setting.precision, 0, setting.checkpointing)
     if setting.data_parallel != "ddp":
         hybrid = setting.data_parallel == "hsdp"
         mesh = build_mesh(device, run.mesh(setting.data_parallel), hybrid)
-        model, _ = shard_from_rank0(spec, device, mesh, setting.checkpointing)
+        model, _ = shard_from_rank0(spec, device, mesh)
         return model, model
     model = build_model(spec.name, config, spec.init, spec.precision, spec.seed, device)
     if setting.checkpointing:
@@ -532,7 +535,7 @@ def seven_b_plans() -> str:
         if plan.fits:
             continue
         hint = suggestions(config, sum(sizes), plan.settings, parameter_sizes=sizes)[0]
-        lines.append(f"- {plan.settings.describe()}: {hint}")
+        lines.append(f"- {plan.describe()}: {hint}")
     return "\n".join(lines)
 
 

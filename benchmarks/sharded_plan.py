@@ -2,10 +2,11 @@
 each method on hsdp's replicate dimension, at the cluster shapes of issue 44: per-rank memory
 and the wire bytes a rank sends per step, within its node and across the nodes.
 
-Nothing trains: every row is ``dry_run.plan_run`` (memory) and ``dry_run.sharded_traffic_bytes``
-/ ``Method.step_estimate`` (traffic) of ``configs/llama2_7b.toml`` with the row's flags, as
-``train.py --dry-run`` prints them. ``ddp`` rows: the whole exchange crosses the nodes (the
-all-reduce's ring, or the method's own exchange), so "within a node" is blank there.
+Nothing trains: every row is ``planning.plan_run`` (memory) and
+``parallel.fsdp.sharded_traffic_bytes`` / ``Method.step_estimate`` (traffic) of
+``configs/llama2_7b.toml`` with the row's flags, as ``train.py --dry-run`` prints them. ``ddp``
+rows: the whole exchange crosses the nodes (the all-reduce's ring, or the method's own
+exchange), so "within a node" is blank there.
 
 Usage (from the repository root)::
 
@@ -24,10 +25,11 @@ from transformers import PretrainedConfig  # noqa: E402
 
 from torchrun_ddp.config import TrainConfig  # noqa: E402
 from torchrun_ddp.config_io import parse_config  # noqa: E402
-from torchrun_ddp.dry_run import plan_run, sharded_traffic_bytes, trained_shapes  # noqa: E402
 from torchrun_ddp.methods import method_for  # noqa: E402
+from torchrun_ddp.parallel.fsdp import FSDP, sharded_traffic_bytes  # noqa: E402
 from torchrun_ddp.plan.architecture import llama2_7b_config  # noqa: E402
 from torchrun_ddp.plan.communication import Topology  # noqa: E402
+from torchrun_ddp.planning import plan_run, run_mode, trained_shapes  # noqa: E402
 
 CLUSTERS = ((1, 8, 24.0), (1, 8, 40.0), (2, 8, 40.0), (8, 8, 40.0))
 """(nodes, GPUs per node, GiB per GPU)."""
@@ -63,11 +65,12 @@ def _traffic_mb(
     world = nodes * per_node
     topo = Topology(world, per_node, config.plan_intra_node_gbit * 1e9, 1e11)
     method = method_for(config)
-    if config.data_parallel == "ddp":
+    mode = run_mode(config, world)
+    if not isinstance(mode, FSDP):  # ddp: the method's all-reduce is the traffic
         estimate = method.step_estimate(shapes, topo, config.ddp_bucket_cap_mb * 2**20)
         return ("-", f"{estimate.wire_bytes / 1e6:,.0f}") if nodes > 1 else (
             f"{estimate.wire_bytes / 1e6:,.0f}", "0")  # fmt: skip
-    traffic = sharded_traffic_bytes(config, shapes, topo, method)
+    traffic = sharded_traffic_bytes(mode, config, shapes, topo, method)
     if traffic.shard > per_node:  # fsdp over several nodes: its rings cross them
         return "-", f"{traffic.within / 1e6:,.0f}"
     return f"{traffic.within / 1e6:,.0f}", f"{traffic.across / 1e6:,.1f}"

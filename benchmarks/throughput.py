@@ -47,10 +47,11 @@ from common import (
 )
 
 from torchrun_ddp.config_io import parse_config
-from torchrun_ddp.dry_run import plan_run, visible_device_gib
+from torchrun_ddp.dry_run import visible_device_gib
 from torchrun_ddp.metrics import measure_cpu_peak_flops
 from torchrun_ddp.model import load_model_config
 from torchrun_ddp.plan.architecture import matmul_parameter_count, meta_model, model_flops_per_token
+from torchrun_ddp.planning import plan_run
 
 LOSS_LABELS = {"none": "plain loss", "liger": "fused loss"}
 """Table labels of ``--fused-loss`` none and liger (auto: no label)."""

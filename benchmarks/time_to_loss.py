@@ -88,9 +88,10 @@ from common import (
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from torchrun_ddp.config_io import parse_config
-from torchrun_ddp.dry_run import run_estimate, trained_shapes
+from torchrun_ddp.dry_run import run_estimate
 from torchrun_ddp.model import load_model_config
 from torchrun_ddp.plan.communication import Topology, predicted_step_seconds
+from torchrun_ddp.planning import trained_shapes
 
 WALL_FILE = "wall_s.txt"
 """Each timing run's wall-clock seconds (start-up included), next to its ``ARGS_FILE``."""

@@ -15,8 +15,9 @@ from transformers import LlamaForCausalLM
 from torchrun_ddp.checkpoint import ModelAndOptimizer, load_checkpoint, save_checkpoint
 from torchrun_ddp.compression import CompressionSettings, register_compression
 from torchrun_ddp.main import forward_backward
-from torchrun_ddp.model import build_model, compile_model, wrap_ddp
+from torchrun_ddp.model import build_model, compile_model
 from torchrun_ddp.optim import build_optimizer
+from torchrun_ddp.parallel.ddp import wrap_ddp
 
 pytestmark = pytest.mark.slow  # torch.compile on 2 spawned ranks
 

@@ -41,7 +41,8 @@ from torchrun_ddp.optim import (
 )
 from torchrun_ddp.optim.demo import tile_codec
 from torchrun_ddp.plan.architecture import llama2_7b_config
-from torchrun_ddp.plan.memory import PlanSettings, plan_memory
+from torchrun_ddp.plan.settings import PlanSettings
+from torchrun_ddp.planning import plan_memory
 
 WORLD = 2
 SHAPES = [(24, 40), (130,), (7,)]

@@ -48,7 +48,6 @@ from torchrun_ddp.compression.settings import CompressionSettings
 from torchrun_ddp.compression.wire import demo_payload_bytes, sparseloco_payload_bytes, wire_bytes
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv, NodeGroups, new_node_groups
-from torchrun_ddp.dry_run import trained_shapes
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.optim import (
     DeMo,
@@ -66,6 +65,7 @@ from torchrun_ddp.plan.communication import (
     estimate,
     predicted_step_seconds,
 )
+from torchrun_ddp.planning import trained_shapes
 
 WORLD, PER_NODE = 4, 2
 NODES = WORLD // PER_NODE

@@ -14,8 +14,9 @@ from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.inputs import check_node_layout
 from torchrun_ddp.main import forward_backward
-from torchrun_ddp.model import build_model, wrap_ddp
+from torchrun_ddp.model import build_model
 from torchrun_ddp.optim import build_optimizer
+from torchrun_ddp.parallel.ddp import wrap_ddp
 
 CPU = torch.device("cpu")
 BATCH, SEQ, VOCAB = 4, 16, 128

@@ -24,7 +24,7 @@ from torchrun_ddp.compression.wire import demo_payload_bytes, wire_bytes
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import check_fits, communication_plan, plan_run, trained_shapes
+from torchrun_ddp.dry_run import check_fits, communication_plan
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import (
     LoraSettings,
@@ -32,6 +32,7 @@ from torchrun_ddp.model import (
     load_model_config,
     trainable_parameter_sizes,
 )
+from torchrun_ddp.plan.activations import activation_estimate, fused_loss_bytes
 from torchrun_ddp.plan.architecture import (
     active_parameter_count,
     architecture,
@@ -52,14 +53,14 @@ from torchrun_ddp.plan.communication import (
     predicted_step_seconds,
     state_bytes,
 )
-from torchrun_ddp.plan.fit import comparison_table, suggestions
-from torchrun_ddp.plan.memory import (
-    GIB,
-    PlanSettings,
-    activation_estimate,
-    fused_loss_bytes,
+from torchrun_ddp.plan.memory import zero_shard
+from torchrun_ddp.plan.settings import GIB, PlanSettings
+from torchrun_ddp.planning import (
+    comparison_table,
     plan_memory,
-    zero_shard,
+    plan_run,
+    suggestions,
+    trained_shapes,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -612,7 +613,7 @@ def test_fused_loss_replaces_the_logits_by_its_gradients_and_one_chunk() -> None
     forward = "end of forward"
     saved = 10 * tokens * vocab - grads - 2 * 1024 * vocab
     assert plain_plan.phases[forward] - fused_plan.phases[forward] == saved
-    assert "fused loss" in fused_plan.settings.describe()
+    assert "fused loss" in fused_plan.describe()
 
 
 def test_fused_loss_under_fsdp_and_lora_holds_bf16_and_no_head_gradient() -> None:

@@ -16,8 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from torchrun_ddp.compression import CompressionSettings, register_compression
 from torchrun_ddp.main import forward_backward
-from torchrun_ddp.model import LoraSettings, apply_lora, build_model, wrap_ddp
+from torchrun_ddp.model import LoraSettings, apply_lora, build_model
 from torchrun_ddp.optim import build_optimizer
+from torchrun_ddp.parallel.ddp import wrap_ddp
 
 pytestmark = pytest.mark.slow  # trains five architectures on 2 spawned ranks
 

@@ -21,7 +21,7 @@ from tiny_models import digest, train_in_group
 
 from torchrun_ddp.compression.replicas import local_shard
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.parallelize import unwrap
+from torchrun_ddp.parallel.ddp import unwrap
 
 pytestmark = pytest.mark.slow  # several 4-rank training runs
 

@@ -10,8 +10,9 @@ from tiny_models import tiny_llama_config
 
 from torchrun_ddp.compression import CompressionSettings, register_compression
 from torchrun_ddp.main import forward_backward
-from torchrun_ddp.model import build_model, enable_activation_checkpointing, wrap_ddp
+from torchrun_ddp.model import build_model, enable_activation_checkpointing
 from torchrun_ddp.optim import ADAMW_IMPLEMENTATIONS, build_optimizer
+from torchrun_ddp.parallel.ddp import wrap_ddp
 
 CPU = torch.device("cpu")
 BATCH, SEQ, VOCAB = 4, 16, 128

@@ -23,23 +23,23 @@ from transformers import AutoModelForCausalLM
 
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import dry_run, plan_run
+from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import forward_backward
 from torchrun_ddp.model import build_model, enable_activation_checkpointing, load_model_config
-from torchrun_ddp.parallelize import (
-    MeshShape,
+from torchrun_ddp.parallel.base import MeshShape
+from torchrun_ddp.parallel.fsdp import (
     build_mesh,
-    clip_grad_norm,
     decoder_layers,
     holds_whole_replicas,
     load_from_rank0,
-    mesh_shape,
     rank0_weights,
     shard_model,
 )
+from torchrun_ddp.parallel.modes import clip_grad_norm, mesh_shape
 from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model
-from torchrun_ddp.plan.memory import PlanSettings, plan_memory
+from torchrun_ddp.plan.settings import PlanSettings
+from torchrun_ddp.planning import plan_memory, plan_run
 
 STEPS, STOP = 8, 4
 CPU = torch.device("cpu")

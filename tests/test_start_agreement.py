@@ -24,7 +24,8 @@ from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.inputs import Inputs
 from torchrun_ddp.main import rebuild_problem
 from torchrun_ddp.metrics import check_records
-from torchrun_ddp.model import build_model, wrap_ddp
+from torchrun_ddp.model import build_model
+from torchrun_ddp.parallel.ddp import wrap_ddp
 from torchrun_ddp.training_data import load_tokenizer, open_documents
 
 CPU = torch.device("cpu")

@@ -1,7 +1,7 @@
 """Setting a run up, for ``main``, once ``inputs.prepare_inputs`` has checked its inputs: the
-checkpoint folders' storage domains, the DDP model with the training method's comm hook and
-optimizer (``methods``) or the model sharded by FSDP (``parallelize``, --data-parallel), and
-this rank's training and held-out data.
+checkpoint folders' storage domains, the model built, wrapped or sharded by the run's
+data-parallel mode (``parallel``) with the training method's comm hook and optimizer
+(``methods``), and this rank's training and held-out data.
 
 Like main.py, this module composes the components (model, data, methods, checkpoint, metrics);
 they do not import each other.
@@ -18,17 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from torchrun_ddp.checkpoint import StorageLayout, detect_storage
-from torchrun_ddp.compression import CompressionState, ShardedExchange
+from torchrun_ddp.compression import CompressionState
 from torchrun_ddp.config import TrainConfig
-from torchrun_ddp.distributed import DistEnv, new_node_groups, track_group
-from torchrun_ddp.errors import UserError
+from torchrun_ddp.distributed import DistEnv, track_group
 from torchrun_ddp.inputs import (
     Inputs,
     checkpoint_root,
@@ -43,35 +40,18 @@ from torchrun_ddp.metrics import (
     device_peak_flops,
 )
 from torchrun_ddp.model import (
-    PRECISION_DTYPES,
-    apply_fused_loss,
-    apply_lora,
-    build_model,
+    ModelSpec,
     check_fused_loss,
-    compile_blocks,
-    compile_model,
-    enable_activation_checkpointing,
     lora_settings,
-    settle_buckets,
     trainable_parameter_sizes,
     trained_tokens,
     uses_fused_loss,
-    wrap_ddp,
 )
 from torchrun_ddp.optim import ScheduleSettings, build_scheduler
-from torchrun_ddp.parallelize import (
-    ShardedUnits,
-    build_mesh,
-    decoder_layers,
-    holds_whole_replicas,
-    load_from_rank0,
-    mesh_shape,
-    rank0_weights,
-    shard_model,
-)
+from torchrun_ddp.parallel.base import DataParallel
+from torchrun_ddp.parallel.modes import mode_for
 from torchrun_ddp.plan import (
     matmul_parameter_count,
-    meta_model,
     model_flops_per_token,
     parameter_count,
 )
@@ -91,11 +71,12 @@ def train_timeout_s(config: TrainConfig) -> int:
     return config.train_timeout_s or config.timeout_s
 
 
-def checkpoint_storage(config: TrainConfig, env: DistEnv) -> StorageLayout:
+def checkpoint_storage(config: TrainConfig, env: DistEnv, mode: DataParallel) -> StorageLayout:
     """Collective: the storage domains of --checkpoint-dir (``checkpoint.detect_storage``: which
     ranks see one folder, a probe at start); their process groups get the start-up timeout now
     and the training timeout later, like every group of the run. Raises UserError (every rank)
-    for views that do not form storage domains."""
+    for views that do not form storage domains, or folders that would hold only part of the
+    ``mode``'s shards (``DataParallel.check_storage``)."""
     timeout = timedelta(seconds=config.timeout_s)
     storage = detect_storage(
         checkpoint_root(config),
@@ -106,104 +87,25 @@ def checkpoint_storage(config: TrainConfig, env: DistEnv) -> StorageLayout:
     )
     if storage.group is not None:
         track_group(storage.group)
-    if config.data_parallel == "ddp" or storage.shared:
-        return storage
-    shape = mesh_shape(
-        config.data_parallel, env.world_size, env.local_world_size, config.shard_degree
-    )
-    if not holds_whole_replicas(storage.domains, shape):
-        raise UserError(
-            f"--checkpoint-dir {checkpoint_root(config)} is a folder per node or site, and "
-            f"under --data-parallel {config.data_parallel} with {shape.shard} ranks per shard "
-            "group a folder would hold only part of the shards; use --data-parallel hsdp with "
-            "a --shard-degree within a node, or one shared folder (--checkpoint-storage shared)"
-        )
+    mode.check_storage(checkpoint_root(config), storage)
     return storage
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """What ``model.build_model`` builds: ``name`` (hub id or config path), its config,
-    ``init`` (pretrained or random), ``precision`` and the init ``seed``."""
-
-    name: str
-    model_config: PretrainedConfig
-    init: str
-    precision: str
-    seed: int
-
-
-def rank0_build_device(spec: ModelSpec, device: torch.device) -> torch.device:
-    """Where rank 0 builds the full weights it scatters to FSDP's shards: its GPU for a random
-    init whose weights take at most half of the GPU's free memory (drawn there in seconds; the
-    shards and the full copy then both fit), else the host (pretrained weights load there, and a
-    GPU too small for the whole model is the reason to shard). The other ranks build on meta."""
-    if dist.get_rank() != 0:
-        return torch.device("meta")
-    if device.type != "cuda" or spec.init != "random":
-        return torch.device("cpu")
-    dtype = PRECISION_DTYPES[spec.precision]
-    weights = parameter_count(meta_model(spec.model_config)) * dtype.itemsize
-    free, _ = torch.cuda.mem_get_info(device)
-    return device if 2 * weights <= free else torch.device("cpu")
-
-
-def shard_from_rank0(
-    spec: ModelSpec, device: torch.device, mesh: DeviceMesh, checkpointing: bool, fused: bool
-) -> tuple[torch.nn.Module, ShardedUnits]:
-    """Collective: the model of ``spec`` sharded by FSDP2 over ``mesh`` (``shard_model``), with
-    one full copy on rank 0 (``rank0_build_device``: its GPU or its host), the shapes on the
-    meta device on the other ranks; rank 0's weights are then scattered to the shards
-    (``load_from_rank0``). Activation checkpointing first when ``checkpointing``, Liger's fused
-    loss when ``fused``."""
-    host = rank0_build_device(spec, device)
-    model = build_model(spec.name, spec.model_config, spec.init, spec.precision, spec.seed, host)
-    if checkpointing:
-        enable_activation_checkpointing(model)
-    if fused:
-        apply_fused_loss(model)
-    rank0_state = rank0_weights(model)
-    units = shard_model(model, mesh, spec.precision)
-    load_from_rank0(model, device, rank0_state)
-    return model, units
-
-
-def build_sharded_model(
-    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv, method: Method
-) -> tuple[torch.nn.Module, CompressionState]:
-    """Collective: the model sharded by FSDP2 over --data-parallel's mesh (``parallelize``),
-    and the method's state for it (``Method.register_sharded``). Rank 0 builds the weights
-    (seeded as under DDP, or pretrained) on the host, the other ranks the shapes on the meta
-    device; rank 0's weights are then scattered to the shards."""
-    shape = mesh_shape(
-        config.data_parallel, env.world_size, env.local_world_size, config.shard_degree
+def model_spec(config: TrainConfig, device: torch.device, inputs: Inputs) -> ModelSpec:
+    """What the run's model is made of (``model.ModelSpec``): --model, --init, --precision,
+    --seed, activation checkpointing, the fused loss where it runs (``fused_loss``) and the
+    LoRA adapters under --peft lora."""
+    lora = lora_settings(config) if config.peft == "lora" else None
+    return ModelSpec(
+        name=config.model,
+        model_config=inputs.model_config,
+        init=config.init,
+        precision=config.precision,
+        seed=config.seed,
+        checkpointing=config.activation_checkpointing,
+        fused_loss=fused_loss(config, device, inputs.model_config),
+        lora=lora,
     )
-    mesh = build_mesh(device, shape, hybrid=config.data_parallel == "hsdp")
-    replicate = mesh.get_group("replicate") if method.exchanges_replicas(mesh.ndim) else None
-    model, units = shard_from_rank0(
-        ModelSpec(config.model, inputs.model_config, config.init, config.precision, config.seed),
-        device, mesh if replicate is None else mesh["shard"], config.activation_checkpointing,
-        fused_loss(config, device, inputs.model_config),
-    )  # fmt: skip
-    if config.compile:
-        compile_blocks(decoder_layers(model))
-    gather_dtype = torch.bfloat16 if config.precision != "fp32" else torch.float32
-    exchange = ShardedExchange(
-        parameters=sum(trainable_parameter_sizes(model)),
-        gathered=units.gathered,
-        shard=shape.shard,
-        replicate=shape.replicate,
-        micro_batches=config.accumulation_steps,
-        gather_bytes=gather_dtype.itemsize,
-        reduce_bytes=PRECISION_DTYPES[config.precision].itemsize,
-    )
-    log.info(
-        "--data-parallel %s: %d decoder-layer units + root on a mesh of %d x %d ranks "
-        "(replicate x shard)%s",
-        config.data_parallel, units.layers, shape.replicate, shape.shard,
-        "" if replicate is None else f"; --compression {config.compression} across replicas",
-    )  # fmt: skip
-    return model, method.register_sharded(model, exchange, replicate)
 
 
 def fused_loss(config: TrainConfig, device: torch.device, model_config: PretrainedConfig) -> bool:
@@ -216,54 +118,6 @@ def fused_loss(config: TrainConfig, device: torch.device, model_config: Pretrain
     what = "Liger's fused linear cross-entropy" if used else "logits, then cross-entropy"
     log.info("training loss: %s (--fused-loss %s)", what, config.fused_loss)
     return used
-
-
-def build_parallel_model(
-    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv, method: Method
-) -> tuple[torch.nn.Module, torch.nn.Module, CompressionState]:
-    """(the model, what the loop runs: its DDP wrapper or the sharded model itself, the
-    method's state) for --data-parallel."""
-    if config.data_parallel == "ddp":
-        return build_ddp_model(config, device, inputs, env, method)
-    model, compression = build_sharded_model(config, device, inputs, env, method)
-    return model, model, compression
-
-
-def build_ddp_model(
-    config: TrainConfig, device: torch.device, inputs: Inputs, env: DistEnv, method: Method
-) -> tuple[torch.nn.Module, DistributedDataParallel, CompressionState]:
-    """The model (a PeftModel under --peft lora), its DDP wrapper with the method's comm hook,
-    and the hook's state. Under LoRA, DDP sees only the adapters as parameters that need
-    gradients, so only they are bucketed and all-reduced."""
-    model: torch.nn.Module = build_model(
-        config.model,
-        inputs.model_config,
-        config.init,
-        config.precision,
-        config.seed,
-        device,
-        config.peft,
-    )
-    if config.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    if fused_loss(config, device, inputs.model_config):
-        apply_fused_loss(model)
-    if config.peft == "lora":
-        model = apply_lora(model, lora_settings(config))
-    ddp_model = wrap_ddp(
-        model,
-        device,
-        config.ddp_bucket_cap_mb,
-        config.gradient_as_bucket_view,
-        config.ddp_static_graph,
-    )
-    shape, vocab = (config.batch_size, config.seq_length), inputs.model_config.vocab_size
-    settle_buckets(ddp_model, shape, vocab, config.precision)
-    node_groups = new_node_groups(env) if config.compression_scope == "inter-node" else None
-    compression = method.register_hook(ddp_model, node_groups)
-    if config.compile:
-        compile_model(ddp_model)
-    return model, ddp_model, compression
 
 
 def flops_per_token(
@@ -336,7 +190,8 @@ def build_eval_set(
 
     Collective: every rank keeps as many batches as the rank with the fewest (one all-reduce,
     MIN), so the held-out loss is a mean over equal shares, and so a model whose buffers DDP
-    broadcasts in every forward (``model.constant_buffers`` false) cannot hang in ``evaluate``.
+    broadcasts in every forward (``parallel.ddp.constant_buffers`` false) cannot hang in
+    ``evaluate``.
     """
     batches: list[torch.Tensor] = []
     if inputs.eval_documents is not None:
@@ -360,6 +215,8 @@ class Trainer:
     device: torch.device
     model: torch.nn.Module
     """What the loop runs: the DDP wrapper, or the model sharded by FSDP (--data-parallel)."""
+    parallel: DataParallel
+    """The data-parallel mode (``parallel``): no-sync, clipping, the export, the replicas."""
     method: Method
     """The training method (``methods``): it built the comm hook and the optimizer."""
     optimizer: Optimizer
@@ -397,12 +254,17 @@ def build_trainer(
     inputs: Inputs,
     run_id: str = "",
     storage: StorageLayout | None = None,
+    mode: DataParallel | None = None,
+    method: Method | None = None,
 ) -> Trainer:
-    """Model in DDP with the method's comm hook and optimizer, schedule, data and metrics for this
-    rank;
-    ``storage``: its checkpoint folders (``checkpoint_storage``)."""
-    method = method_for(config)
-    model, ddp_model, compression = build_parallel_model(config, device, inputs, env, method)
+    """The model built by the run's data-parallel ``mode`` (``DataParallel.build``: wrapped in DDP
+    or sharded by FSDP) with the training ``method``'s comm hook and optimizer, the schedule, data
+    and metrics for this rank; ``storage``: its checkpoint folders (``checkpoint_storage``).
+    ``mode`` and ``method``: the run's, built once by ``main.start`` (made here when None)."""
+    mode = mode or mode_for(config, env.world_size, env.local_world_size)
+    method = method or method_for(config)
+    built = mode.build(model_spec(config, device, inputs), device, env, method, config)
+    model, compression = built.model, built.compression
     optimizer = method.build(model, compression)
     scheduler = build_scheduler(optimizer, schedule_settings(config))
     torch.manual_seed(config.seed + env.rank)
@@ -424,7 +286,8 @@ def build_trainer(
         config=config,
         env=env,
         device=device,
-        model=ddp_model,
+        model=built.runner,
+        parallel=mode,
         method=method,
         optimizer=optimizer,
         scheduler=scheduler,

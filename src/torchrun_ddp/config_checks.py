@@ -10,6 +10,7 @@ from __future__ import annotations
 from torchrun_ddp.config import TrainConfig, flag_name
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods import Owners, check_methods, refuse_unused
+from torchrun_ddp.parallel.modes import check_modes
 
 _POSITIVE = ("seq_length", "batch_size", "accumulation_steps", "learning_rate", "epochs")
 _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "timeout_s")
@@ -61,55 +62,13 @@ def _validate_combinations(config: TrainConfig, given: frozenset[str]) -> None:
         raise UserError("--min-lr must not exceed --learning-rate")
     _validate_lora(config)
     _validate_schedule(config)
-    _validate_data_parallel(config)
+    check_modes(config, given)
     refuse_unused(config, given, {**LORA_FLAGS, **SCHEDULE_FLAGS})
     check_methods(config, given)
     if config.ddp_static_graph and config.accumulation_steps > 1:
         raise UserError(
             "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "
             "crashes under no_sync with a static graph, pytorch/pytorch#143580); drop one of them"
-        )
-
-
-_NOT_SHARDED = {
-    "zero1": "--zero1 shards AdamW's state over DDP replicas; --data-parallel {dp} already "
-    "shards it with the weights and gradients: drop --zero1",
-    "ddp_static_graph": "--ddp-static-graph is a DDP setting; drop it under --data-parallel {dp}",
-}
-"""Flags refused under --data-parallel fsdp/hsdp -> the one line that says so ({dp}: the mode)."""
-
-
-def _validate_data_parallel(config: TrainConfig) -> None:
-    """Reject settings that do not go with --data-parallel (the method checks its own)."""
-    mode = config.data_parallel
-    if config.shard_degree and mode != "hsdp":
-        raise UserError(f"--shard-degree applies to --data-parallel hsdp only, not {mode}")
-    if mode == "ddp":
-        return
-    for name, message in _NOT_SHARDED.items():
-        if getattr(config, name):
-            raise UserError(message.format(dp=mode))
-    if config.peft != "none":
-        raise UserError(
-            f"--peft {config.peft} is not supported under --data-parallel {mode} yet; use "
-            "--data-parallel ddp (LoRA's base is frozen: a 7B model fits one 24 GB GPU)"
-        )
-    if config.compression_scope != "global":
-        raise UserError(
-            f"--compression-scope {config.compression_scope} is a DDP comm-hook setting; use "
-            f"--compression-scope global under --data-parallel {mode}"
-        )
-    if config.eval_multiple_choice:
-        raise UserError(
-            f"--eval-multiple-choice is not supported under --data-parallel {mode} yet (ranks "
-            "score different numbers of questions, and FSDP's forward is collective); use "
-            "--data-parallel ddp or drop --eval-multiple-choice"
-        )
-    if config.checkpoint_storage == "node-local" and mode == "fsdp":
-        raise UserError(
-            "--checkpoint-storage node-local needs every node's folder to hold a whole copy, "
-            "and --data-parallel fsdp shards over every node; use --data-parallel hsdp (a "
-            "replica per node) or a shared folder"
         )
 
 

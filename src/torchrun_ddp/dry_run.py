@@ -1,11 +1,11 @@
 """Before a run: the per-rank memory and FLOP plan, the communication plan (--dry-run), and the
 fit check that refuses a run that would not fit the device.
 
-Composes the ``plan`` package's calculators: ``architecture`` (meta-device model, sizes, FLOPs),
-``memory`` (memory rows), ``fit`` (setting changes that fit), ``communication`` (wire bytes and
-link time), with ``model``'s LoRA on the meta device and the training method's own rows
-(``methods``: its memory, communication and checkpoint bytes). Nothing is allocated or
-downloaded.
+Composes ``planning`` (the run's memory plan: its mode's and method's rows, and the changes that
+make it fit) with the ``plan`` package's other calculators: ``communication`` (wire bytes and
+link time), ``checkpoint`` (a node's folder), and the training method's own rows (``methods``:
+its memory, communication and checkpoint bytes) and the mode's traffic (``parallel``). The method
+is built once per dry run. Nothing is allocated or downloaded.
 """
 
 from __future__ import annotations
@@ -17,25 +17,13 @@ import math
 import torch
 from transformers import PretrainedConfig
 
-from torchrun_ddp.compression import ShardedExchange, compression_settings, sharded_step_bytes
+from torchrun_ddp.compression import compression_settings
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.methods import MemoryRow, Method, PlanSizes, method_for
-from torchrun_ddp.model import (
-    PRECISION_DTYPES,
-    apply_lora,
-    load_model_config,
-    lora_settings,
-    uses_fused_loss,
-)
-from torchrun_ddp.plan.architecture import (
-    llama2_7b_config,
-    matmul_parameter_count,
-    meta_model,
-    missing_sizes,
-    parameter_sizes,
-)
+from torchrun_ddp.methods import MemoryRow, Method, method_for
+from torchrun_ddp.model import PRECISION_DTYPES, load_model_config
+from torchrun_ddp.plan.architecture import llama2_7b_config, missing_sizes
 from torchrun_ddp.plan.checkpoint import checkpoint_sizes, checkpoint_table
 from torchrun_ddp.plan.communication import (
     CommEstimate,
@@ -44,84 +32,16 @@ from torchrun_ddp.plan.communication import (
     reference_methods,
     state_bytes,
 )
-from torchrun_ddp.plan.fit import suggestions
-from torchrun_ddp.plan.memory import MemoryPlan, PlanSettings, plan_memory
+from torchrun_ddp.plan.memory import MemoryPlan
+from torchrun_ddp.planning import (
+    local_update_memory,
+    plan_run,
+    plan_sizes,
+    run_mode,
+    trained_shapes,
+)
 
 log = logging.getLogger("torchrun_ddp")
-
-
-def plan_settings(
-    config: TrainConfig, world_size: int, memory_gib: float, adapter_sizes: tuple[int, ...] = ()
-) -> PlanSettings:
-    """The memory plan's view of this run's settings, on devices of ``memory_gib`` GiB
-    (``adapter_sizes``: the LoRA adapters' element counts under --peft lora)."""
-    return PlanSettings(
-        world_size=world_size,
-        micro_batch=config.batch_size,
-        seq_length=config.seq_length,
-        precision=config.precision,
-        zero1=config.zero1,
-        activation_checkpointing=config.activation_checkpointing,
-        device_memory_gib=memory_gib,
-        ddp_bucket_cap_mb=config.ddp_bucket_cap_mb,
-        gradient_as_bucket_view=config.gradient_as_bucket_view and config.data_parallel == "ddp",
-        accumulation_steps=config.accumulation_steps,
-        fused_adamw=config.adamw_implementation == "fused",
-        adapter_sizes=adapter_sizes,
-        optimizer=config.optimizer,
-        data_parallel=config.data_parallel,
-        shard_degree=planned_shard_degree(config, world_size),
-    )
-
-
-def planned_device_type(config: TrainConfig) -> str:
-    """The device type a plan is for: a plan is for a GPU unless --device cpu (--dry-run needs
-    none to plan for one)."""
-    return "cpu" if config.device == "cpu" else "cuda"
-
-
-def plan_run(
-    config: TrainConfig,
-    model_config: PretrainedConfig,
-    world_size: int,
-    memory_gib: float,
-    device_type: str = "",
-) -> tuple[MemoryPlan, list[str]]:
-    """This run's per-rank memory plan (parameters counted on the meta device) and, when it does
-    not fit, the setting changes that would make it fit. ``device_type`` ("cuda", "cpu"; empty:
-    ``planned_device_type``) decides whether ``--fused-loss auto`` is planned as Liger's fused
-    loss (``model.uses_fused_loss``)."""
-    model_type = str(getattr(model_config, "model_type", "") or "")
-    device_type = device_type or planned_device_type(config)
-    fused = uses_fused_loss(config.fused_loss, device_type, model_type)
-    model = meta_model(model_config)
-    sizes = parameter_sizes(model)
-    active = matmul_parameter_count(model, model_config)
-    adapters: tuple[int, ...] = ()
-    if config.peft == "lora":
-        adapters = tuple(math.prod(shape) for shape in trained_shapes(config, model_config))
-    shards = shard_shapes(config, [tuple(p.shape) for p in model.parameters()], world_size)
-    state, buffers = state_bytes(  # DDP buckets only what is trained: the adapters under LoRA;
-        compression_settings(config),  # a hook on hsdp's replicas: the shards
-        list(adapters) or [math.prod(shape) for shape in shards],
-        world_size,
-        config.ddp_bucket_cap_mb * 2**20,
-    )
-    for row in local_update_memory(config, model_config, world_size):  # persistent: all phases;
-        if row.persistent:  # a sync's temporaries as end-of-backward buffers, an upper bound
-            state += row.nbytes
-        else:
-            buffers = max(buffers, row.nbytes)
-    settings = dataclasses.replace(
-        plan_settings(config, world_size, memory_gib, adapters),
-        compression_state_bytes=state,
-        compression_buffer_bytes=buffers,
-        fused_loss=fused,
-    )
-    plan = plan_memory(model_config, sum(sizes), settings, sizes, active_parameters=active)
-    if plan.fits:
-        return plan, []
-    return plan, suggestions(model_config, sum(sizes), settings, parameter_sizes=sizes)
 
 
 def plan_model_config(config: TrainConfig) -> PretrainedConfig:
@@ -147,24 +67,25 @@ def dry_run(
     model_config = model_config or plan_model_config(config)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
     plan, hints = plan_run(config, model_config, config.plan_world_size or env.world_size, memory)
+    method = method_for(config)
     adapters = sum(plan.settings.adapter_sizes)
     trained = f" (+ {adapters:,} LoRA adapter parameters, trained)" if adapters else ""
     lines = [
         f"model {config.model}: {plan.parameters:,} parameters{trained}, "
         f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
         run_length(config, plan.settings.world_size, data_tokens, plan.flops_per_token),
-        f"plan per rank: {plan.settings.describe()}",
+        f"plan per rank: {plan.describe()}",
         plan.table(),
     ]
     if hints:
         lines.append("would fit with:")
         lines.extend(f"  {hint}" for hint in hints)
-    extra = local_update_memory(config, model_config, plan.settings.world_size)
+    extra = local_update_memory(config, model_config, plan.settings.world_size, method)
     if extra:
-        lines.append(local_update_memory_table(extra, config))
+        lines.append(local_update_memory_table(extra, method))
     shapes = trained_shapes(config, model_config)
-    lines.append(communication_plan(config, env, shapes, plan.flops_per_token))
-    lines.append(checkpoint_plan(config, plan, shapes))
+    lines.append(communication_plan(config, env, shapes, plan.flops_per_token, method))
+    lines.append(checkpoint_plan(config, plan, shapes, method))
     return "\n".join(lines)
 
 
@@ -217,8 +138,11 @@ def duration(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
-def checkpoint_plan(config: TrainConfig, plan: MemoryPlan, shapes: list[tuple[int, ...]]) -> str:
-    """``plan.checkpoint``'s table for this run's world size and --plan-gpus-per-node."""
+def checkpoint_plan(
+    config: TrainConfig, plan: MemoryPlan, shapes: list[tuple[int, ...]], method: Method
+) -> str:
+    """``plan.checkpoint``'s table for this run's world size and --plan-gpus-per-node, with the
+    ``method``'s optimizer state."""
     world = plan.settings.world_size
     per_node = min(config.plan_gpus_per_node, world)
     trained = sum(math.prod(shape) for shape in shapes)
@@ -227,57 +151,16 @@ def checkpoint_plan(config: TrainConfig, plan: MemoryPlan, shapes: list[tuple[in
     sizes = dataclasses.replace(
         plan_sizes(config, shapes, plan.parameters, world), weight_bytes=weight
     )
-    optimizer = method_for(config).checkpoint_bytes(sizes)
+    optimizer = method.checkpoint_bytes(sizes)
     replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook
     sizes = checkpoint_sizes(config, plan.parameters, trained, replicated, per_rank)
     return checkpoint_table(sizes, config, world, per_node)
 
 
-def plan_sizes(
-    config: TrainConfig, shapes: list[tuple[int, ...]], parameters: int, world_size: int
-) -> PlanSizes:
-    """The sizes a method's plan rows come from: the trained parameters of ``shapes`` (LoRA
-    adapters stay fp32), ``parameters`` in the model, ``world_size`` ranks."""
-    lora = config.peft != "none"
-    dtype = torch.float32 if lora else PRECISION_DTYPES[config.precision]
-    trained = sum(math.prod(shape) for shape in shapes)
-    return PlanSizes(trained, parameters, dtype.itemsize, world_size, tuple(shapes))
-
-
-def local_update_memory(
-    config: TrainConfig, model_config: PretrainedConfig, world_size: int
-) -> list[MemoryRow]:
-    """What the method adds per rank beyond weights, gradients and optimizer state
-    (``Method.memory_rows``: DiLoCo's and SparseLoCo's). ``plan_run`` counts the persistent rows
-    as compression state and the sync's temporaries as compression buffers: those peak at the
-    end of backward, with the gradients and one layer's activations alive, which bounds the
-    sync (in the optimizer step, with the gradients alive) from above."""
-    shapes = shard_shapes(config, trained_shapes(config, model_config), world_size)
-    return method_for(config).memory_rows(plan_sizes(config, shapes, 0, world_size))
-
-
-def planned_shard_degree(config: TrainConfig, world: int) -> int:
-    """Ranks one replica is sharded over: 1 under ddp, ``world`` under fsdp, under hsdp
-    --shard-degree or a node's GPUs (--plan-gpus-per-node)."""
-    if config.data_parallel == "ddp":
-        return 1
-    if config.data_parallel == "fsdp":
-        return world
-    return config.shard_degree or min(config.plan_gpus_per_node, world)
-
-
-def shard_shapes(
-    config: TrainConfig, shapes: list[tuple[int, ...]], world: int
-) -> list[tuple[int, ...]]:
-    """One rank's shard of each of ``shapes`` (FSDP2 splits dim 0: ``ceil(rows / S)`` rows);
-    the shapes themselves under ddp."""
-    degree = planned_shard_degree(config, world)
-    return [(math.ceil(s[0] / degree), *s[1:]) if s else s for s in shapes]
-
-
-def local_update_memory_table(rows: list[MemoryRow], config: TrainConfig) -> str:
-    """The rows of :func:`local_update_memory` as a Markdown table in GiB per rank."""
-    title = method_for(config).describe()
+def local_update_memory_table(rows: list[MemoryRow], method: Method) -> str:
+    """The ``method``'s rows of ``planning.local_update_memory`` as a Markdown table in GiB per
+    rank."""
+    title = method.describe()
     lines = [f"| {title}: extra memory (in the plan above) | GiB per rank |", "|---|---:|"]
     for row in rows:
         kind = "kept" if row.persistent else "during a sync"
@@ -285,22 +168,19 @@ def local_update_memory_table(rows: list[MemoryRow], config: TrainConfig) -> str
     return "\n".join(lines)
 
 
-def trained_shapes(config: TrainConfig, model_config: PretrainedConfig) -> list[tuple[int, ...]]:
-    """Shapes of the parameters that train, on the meta device: what DDP buckets and DeMo tiles
-    (only the adapters under --peft lora)."""
-    model = meta_model(model_config)
-    if config.peft == "lora":
-        model = apply_lora(model, lora_settings(config))
-    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-
-
 def communication_plan(
-    config: TrainConfig, env: DistEnv, shapes: list[tuple[int, ...]], flops_per_token: float
+    config: TrainConfig,
+    env: DistEnv,
+    shapes: list[tuple[int, ...]],
+    flops_per_token: float,
+    method: Method | None = None,
 ) -> str:
     """Wire bytes and predicted times per step of this run's method (its --compression, or
     DeMo's all-gather under --optimizer demo) and the reference methods (``plan.communication``)
     for the trained parameters of ``shapes``, for --plan-world-size ranks (else WORLD_SIZE),
-    --plan-gpus-per-node and the --plan-*-gbit links; compute at --plan-tflops per rank."""
+    --plan-gpus-per-node and the --plan-*-gbit links; compute at --plan-tflops per rank; under
+    a sharded mode, its own collectives first (``DataParallel.traffic``). ``method``: the run's
+    (``method_for(config)`` when None)."""
     world = config.plan_world_size or env.world_size
     per_node = min(config.plan_gpus_per_node, world)
     topo = Topology(
@@ -309,7 +189,7 @@ def communication_plan(
     tokens = config.batch_size * config.seq_length * config.accumulation_steps
     compute_s = tokens * flops_per_token / (config.plan_tflops * 1e12)
     sizes = [math.prod(shape) for shape in shapes]
-    method = method_for(config)
+    method = method or method_for(config)
     methods = [*method.plan_hooks(), *reference_methods(config.compression_block_size)]
     first = method.communication_rows(shapes, topo)
     header = (
@@ -321,84 +201,8 @@ def communication_plan(
     )
     bucket = config.ddp_bucket_cap_mb * 2**20
     table = communication_table(methods, sizes, topo, compute_s, first, shapes, bucket)
-    return "\n".join([header, *sharded_traffic(config, shapes, topo, method), table])
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedTraffic:
-    """Wire bytes one rank sends per optimizer step under --data-parallel fsdp/hsdp: ``within``
-    its shard group (FSDP's all-gathers and reduce-scatter) and ``across`` the groups (native
-    hsdp: FSDP's all-reduce of the shards; ``hooked``: the method's own exchange on the
-    replicas); ``shard`` ranks per group, ``replicas`` groups. ``fsdp``: FSDP's own bytes."""
-
-    within: float
-    across: float
-    hooked: bool
-    shard: int
-    replicas: int
-
-    @property
-    def fsdp(self) -> float:
-        """FSDP's collectives (native hsdp: its all-reduce across the groups included)."""
-        return self.within if self.hooked else self.within + self.across
-
-
-def sharded_traffic_bytes(
-    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology, method: Method
-) -> ShardedTraffic:
-    """FSDP's wire bytes per rank and step (``compression.sharded_step_bytes``: every
-    micro-batch all-gathers the units, layers twice and the root once, then the gradients are
-    reduce-scattered, under native hsdp also all-reduced over the replicas). Under hsdp with a
-    method on the replicas (``Method.exchanges_replicas``) FSDP stays within each group, and
-    ``across`` is the method's estimate for the shard's shapes (FSDP2 splits dim 0: ``ceil(rows
-    / S)`` rows) on a ring of the R replicas."""
-    world, sizes = topo.world_size, [math.prod(shape) for shape in shapes]
-    parameters = sum(sizes)
-    shard = planned_shard_degree(config, world)
-    hooked = config.data_parallel == "hsdp" and method.exchanges_replicas(2)
-    exchange = ShardedExchange(
-        parameters=parameters,
-        gathered=2 * parameters - max(sizes),  # the root's bulk: the embedding (and the head)
-        shard=shard,
-        replicate=1 if hooked else world // shard,
-        micro_batches=config.accumulation_steps,
-        gather_bytes=4 if config.precision == "fp32" else 2,
-        reduce_bytes=PRECISION_DTYPES[config.precision].itemsize,
-    )
-    within, _ = sharded_step_bytes(dataclasses.replace(exchange, replicate=1))
-    across = sharded_step_bytes(exchange)[0] - within
-    if hooked:
-        replicas = dataclasses.replace(topo, world_size=world // shard, per_node=1)
-        bucket = config.ddp_bucket_cap_mb * 2**20
-        estimate = method.step_estimate(shard_shapes(config, shapes, world), replicas, bucket)
-        across = estimate.wire_bytes
-    return ShardedTraffic(within, across, hooked, shard, world // shard)
-
-
-def sharded_traffic(
-    config: TrainConfig, shapes: list[tuple[int, ...]], topo: Topology, method: Method
-) -> list[str]:
-    """Under --data-parallel fsdp/hsdp, FSDP's line of :func:`sharded_traffic_bytes` (the
-    table's rows are then DDP's comm hooks, for comparison) and, with a method on hsdp's
-    replicas, its line across them. [] under ddp."""
-    if config.data_parallel == "ddp":
-        return []
-    bytes_ = sharded_traffic_bytes(config, shapes, topo, method)
-    lines = [
-        f"--data-parallel {config.data_parallel} ({bytes_.replicas} x {bytes_.shard} ranks): "
-        f"FSDP sends {bytes_.fsdp / 1e6:.4g} MB per rank per step (all-gathers of every "
-        "micro-batch, one reduce-scatter"
-        + ("" if bytes_.hooked else ", and under hsdp the shards' all-reduce across replicas")
-        + "); the rows below are DDP's comm hooks, for comparison"
-    ]
-    if bytes_.hooked:
-        lines.append(
-            f"{method.describe()} across the {bytes_.replicas} replicas: "
-            f"{bytes_.across / 1e6:.4g} MB per rank per step, each rank its 1/{bytes_.shard} "
-            "shard (the method's estimate for the shard's shapes; only this crosses between "
-            "groups)"
-        )
-    return lines
+    traffic = run_mode(config, world).traffic(config, shapes, topo, method)
+    return "\n".join([header, *traffic, table])
 
 
 def run_estimate(
@@ -433,7 +237,7 @@ def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv
     fix = hints[0] if hints[0].startswith("no combination") else f"it would fit with {hints[0]}"
     raise UserError(
         f"the memory plan needs {plan.total / 2**30:.1f} GiB per rank but the device has "
-        f"{memory:g} GiB ({plan.settings.describe()}); {fix} (see --dry-run)"
+        f"{memory:g} GiB ({plan.describe()}); {fix} (see --dry-run)"
     )
 
 

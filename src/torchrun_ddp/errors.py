@@ -15,3 +15,10 @@ class DataError(UserError):
     Raised where the data is read (a loader worker); ``main`` keeps its message in the output
     folder so that a torchrun restart refuses at once instead of training into it again.
     """
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when it has none), for a UserError
+    that names a library's reason in one line."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

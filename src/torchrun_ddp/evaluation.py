@@ -15,7 +15,7 @@ from torchrun_ddp.build import Trainer
 from torchrun_ddp.choice_scoring import accuracy_stderr, choice_loglikelihoods, picks
 from torchrun_ddp.metrics import Record
 from torchrun_ddp.model import autocast_context, causal_lm_inputs, trained_tokens
-from torchrun_ddp.parallelize import unwrap
+from torchrun_ddp.parallel.ddp import unwrap
 
 log = logging.getLogger("torchrun_ddp")
 

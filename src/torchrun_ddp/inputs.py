@@ -37,9 +37,7 @@ from torchrun_ddp.model import (
     load_model_config,
     max_positions,
 )
-from torchrun_ddp.parallelize import (
-    mesh_shape,
-)
+from torchrun_ddp.parallel.modes import mode_for
 from torchrun_ddp.training_data import (
     ExampleFormat,
     MultipleChoiceQuestion,
@@ -115,8 +113,7 @@ def check_settings(config: TrainConfig, env: DistEnv, model_config: PretrainedCo
     check_device(config.device)
     if config.compression_scope == "inter-node":
         check_node_layout(env)
-    if config.data_parallel != "ddp":  # the mesh must divide the ranks
-        mesh_shape(config.data_parallel, env.world_size, env.local_world_size, config.shard_degree)
+    mode_for(config, env.world_size, env.local_world_size)  # its mesh must divide the ranks
     check_causal_lm(model_config, config.model)
     limit = max_positions(model_config)
     if limit and config.seq_length > limit:

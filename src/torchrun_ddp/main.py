@@ -1,7 +1,7 @@
 """run(config, env): build the pieces, resume, then one training loop that reads like the algorithm.
 
 For each optimizer step: take this rank's ``accumulation_steps`` micro-batches (already read),
-forward and backward through the DDP model (``no_sync`` on all but the last micro-batch, so
+forward and backward through the wrapped model (``no_sync`` on all but the last micro-batch, so
 gradients are all-reduced once per step), clip, step, schedule. On log steps the ranks reduce
 the loss and, in the same all-reduce, agree whether to go on: every rank has read the data up to
 the next log step, and nobody was asked to stop. Between log steps there is no collective but
@@ -17,7 +17,8 @@ import logging
 import math
 import os
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -51,9 +52,10 @@ from torchrun_ddp.inputs import (
     prepare_inputs,
     record_data_error,
 )
+from torchrun_ddp.methods import method_for
 from torchrun_ddp.metrics import any_rank, check_loss, check_records, progress_bar, restart_records
 from torchrun_ddp.model import autocast_context, causal_lm_inputs
-from torchrun_ddp.parallelize import clip_grad_norm, no_gradient_sync
+from torchrun_ddp.parallel.modes import gradient_sync_off, mode_for
 from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
 from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import save, save_final_model
@@ -105,16 +107,18 @@ def start(
     Raises UserError (every rank) for views of --checkpoint-dir that do not form storage
     domains, and for a start that is refused (see ``checkpoint.agree_on_start``)."""
     restarted = attempt > 1 or env.restart_count > 0
-    root, storage = checkpoint_root(config), checkpoint_storage(config, env)
+    mode = mode_for(config, env.world_size, env.local_world_size)
+    method = method_for(config)
+    root, storage = checkpoint_root(config), checkpoint_storage(config, env, mode)
     metrics = Path(config.output_dir) / "metrics.jsonl"
     flags = StartFlags(
         config.resume, config.resume_from, config.overwrite_output_dir, restarted,
         config.verify_checkpoints,
     )  # fmt: skip
-    rebuild = partial(rebuild_problem, config)
+    rebuild = partial(rebuild_problem, method)
     plan = agree_on_start(root, storage, flags, rebuild, partial(check_records, metrics))
     trained = resumed_config(config, env, plan)  # the resumed shape, before anything is built
-    trainer = build_trainer(trained, env, device, inputs, plan.run_id, storage)
+    trainer = build_trainer(trained, env, device, inputs, plan.run_id, storage, mode, method)
     resume(trainer, plan)
     log.info(
         "attempt %d: ready to train from step %d, %.1f s after the process started",
@@ -226,6 +230,7 @@ def forward_backward(
     batches: list[torch.Tensor],
     precision: str = "fp32",
     step_tokens: torch.Tensor | None = None,
+    no_sync: Callable[[torch.nn.Module], AbstractContextManager[None]] = gradient_sync_off,
 ) -> torch.Tensor:
     """Accumulate gradients over the micro-batches (int64 [B, L] token ids, or [B, 3, L] ids,
     labels, positions: ``model.causal_lm_inputs``); returns the step's loss (detached).
@@ -237,10 +242,11 @@ def forward_backward(
     ``step_tokens / world_size``: after the mean over ranks (DDP's all-reduce, FSDP's
     reduce-scatter) the gradient is that of the mean over every trained token of the step, as
     one large batch gives; the returned value averaged over ranks is that mean. Gradients are
-    all-reduced (DDP) or reduce-scattered (FSDP) only on the last micro-batch;
-    ``parallelize.no_gradient_sync`` (DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync``)
-    skips it on the others. The forward runs under ``autocast_context(precision)`` (bf16-mixed:
-    bfloat16 matmuls); backward runs outside it, as torch's AMP recipe says.
+    all-reduced (DDP) or reduce-scattered (FSDP) only on the last micro-batch; ``no_sync``
+    (the mode's ``DataParallel.no_sync``: DDP's ``no_sync``, FSDP's
+    ``set_requires_gradient_sync``; by default whichever ``model`` is) skips it on the others.
+    The forward runs under ``autocast_context(precision)`` (bf16-mixed: bfloat16 matmuls);
+    backward runs outside it, as torch's AMP recipe says.
     """
     total = torch.zeros((), device=batches[0].device)
     divisor = None
@@ -249,7 +255,7 @@ def forward_backward(
         divisor = step_tokens.clamp(min=1) / world_size
     for index, batch in enumerate(batches):
         last = index == len(batches) - 1
-        with nullcontext() if last else no_gradient_sync(model):
+        with nullcontext() if last else no_sync(model):
             with autocast_context(precision, batch.device):
                 if divisor is None:
                     loss = model(**causal_lm_inputs(batch)).loss / len(batches)
@@ -263,12 +269,14 @@ def forward_backward(
 def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tensor, Tensor]:
     """One optimizer step over ``batches``: returns (mean loss, gradient norm before clipping)."""
     precision = trainer.config.precision
-    loss = forward_backward(trainer.model, batches, precision, trainer.data.step_tokens)
+    loss = forward_backward(
+        trainer.model, batches, precision, trainer.data.step_tokens, trainer.parallel.no_sync
+    )
     trainer.method.after_backward()  # hsdp with a comm hook: the shards across replicas
     fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
     if perturbation("nan-loss") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
         loss = loss * math.nan
-    grad_norm = clip_grad_norm(trainer.model, trainer.config.max_grad_norm)
+    grad_norm = trainer.parallel.clip_grad_norm(trainer.model, trainer.config.max_grad_norm)
     trainer.optimizer.step()
     trainer.scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)

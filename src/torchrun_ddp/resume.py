@@ -36,8 +36,7 @@ from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import perturbation
 from torchrun_ddp.inputs import tokens_per_step
-from torchrun_ddp.methods import method_for
-from torchrun_ddp.parallelize import mesh_shape, replica_groups
+from torchrun_ddp.methods import Method
 from torchrun_ddp.training_data import data_position
 from torchrun_ddp.training_state import rank_state, run_identity, sharded_state, shared_state
 
@@ -69,7 +68,8 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     if perturbation("replica") == trainer.env.rank:  # tests only (TORCHRUN_DDP_PERTURB)
         with torch.no_grad():
             next(trainer.model.parameters()).add_(1.0)
-    check_replicas(shared, str(path), replicas(trainer))  # before any rank's own state changes
+    check_replicas(shared, str(path), trainer.parallel.replica_groups())  # before any rank's
+    # own state changes
     trainer.step = int(saved["step"])
     trainer.tokens_seen = int(saved["tokens_seen"])
     trainer.data_since = saved.get("data_since") if same_layout else trainer.step
@@ -81,16 +81,6 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     else:
         load_rank_state(trainer, per_rank, path, in_files)
     log.info("resumed from %s at step %d", path, trainer.step)
-
-
-def replicas(trainer: Trainer) -> list[list[int]] | None:
-    """The ranks that hold the same shared state: every rank under DDP (None), the ranks of one
-    shard under --data-parallel fsdp/hsdp (``parallelize.replica_groups``)."""
-    config, env = trainer.config, trainer.env
-    if config.data_parallel == "ddp":
-        return None
-    dp, degree = config.data_parallel, config.shard_degree
-    return replica_groups(mesh_shape(dp, env.world_size, env.local_world_size, degree))
 
 
 def load_rank_state(
@@ -114,15 +104,16 @@ def held_ranks(path: Path) -> list[int]:
     return sorted(int(file.stem.split("-")[1]) for file in path.glob("rank-*.json"))
 
 
-def rebuild_problem(config: TrainConfig, meta: Mapping[str, object]) -> str:
+def rebuild_problem(method: Method, meta: Mapping[str, object]) -> str:
     """Why a rank's own state of a checkpoint cannot be rebuilt when no folder holds it ("" when
     it can; ``checkpoint.agree_on_start`` asks): its data position is replayed from the global
     document order (needs the same world size and accumulation since step 0: ``data_since`` 0),
     its RNGs are seeded from (seed, step, rank), the error feedback restarts from zero, and the
     method says what its own per-rank state needs (``Method.rebuild_problem``: DeMo's momentum
     restarts from zero; a ZeRO-1 shard and DiLoCo's/SparseLoCo's inner state cannot be rebuilt).
-    At another world size the lost old ranks' positions are replayed at the old one."""
-    if problem := method_for(config).rebuild_problem():
+    At another world size the lost old ranks' positions are replayed at the old one. ``method``:
+    the run's training method."""
+    if problem := method.rebuild_problem():
         return problem
     if meta.get("data_since") != 0:
         return "the data position cannot be replayed (the world size changed during the run)"

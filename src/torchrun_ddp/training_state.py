@@ -28,7 +28,6 @@ from torchrun_ddp.checkpoint import (
 from torchrun_ddp.distributed import collective_timeout
 from torchrun_ddp.inputs import checkpoint_root
 from torchrun_ddp.model import export_final_model, lora_settings
-from torchrun_ddp.parallelize import full_state_dict, is_sharded, unwrap
 from torchrun_ddp.training_data import DATA_ORDER
 
 log = logging.getLogger("torchrun_ddp")
@@ -73,9 +72,9 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
     """What a checkpoint must match to be resumed by this run (the method adds its own keys)."""
     config = trainer.config
     identity: dict[str, object] = {
-        "model": model_fingerprint(trainer.model),
-        "vocab_size": unwrap(trainer.model).config.vocab_size,
-        "data_parallel": config.data_parallel,
+        "model": model_fingerprint(trainer.parallel.module(trainer.model)),
+        "vocab_size": trainer.parallel.module(trainer.model).config.vocab_size,
+        **trainer.parallel.identity(),
         "compression": config.compression,
         "optimizer": config.optimizer,
         "lr_scheduler": config.lr_scheduler,
@@ -124,13 +123,13 @@ def save(trainer: Trainer) -> Path:
 def save_final_model(trainer: Trainer) -> None:
     """Rank 0 writes ``<output_dir>/final_model`` (``model.export_final_model``: merged
     weights under LoRA, safetensors, with the tokenizer); all ranks wait for it. A sharded
-    model's weights are first gathered onto rank 0's host (``parallelize.full_state_dict``,
+    model's weights are first gathered onto rank 0's host (``DataParallel.full_state_dict``,
     collective)."""
     config = trainer.config
     with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
-        weights = full_state_dict(trainer.model) if is_sharded(trainer.model) else None
+        weights = trainer.parallel.full_state_dict(trainer.model)
         if trainer.env.is_main:
             output, lora = Path(config.output_dir), config.peft == "lora"
-            model = unwrap(trainer.model)
+            model = trainer.parallel.module(trainer.model)
             export_final_model(model, trainer.tokenizer, output, lora, state_dict=weights)
         dist.barrier()

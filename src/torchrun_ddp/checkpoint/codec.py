@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from torchrun_ddp.parallel.shards import local_tensor
 
 TENSOR = "__tensor__"
 TUPLE = "__tuple__"
@@ -78,7 +79,7 @@ def untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[tuple[str, int]] = set()
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_tensor(tensor)
         storage = (str(local.device), local.untyped_storage().data_ptr())
         out[key] = tensor.detach().clone() if storage in seen else tensor.detach()
         seen.add(storage)

@@ -16,12 +16,12 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from torchrun_ddp.checkpoint.adapters import Stateful
 from torchrun_ddp.checkpoint.codec import split_tree
 from torchrun_ddp.checkpoint.ranks import all_gather_json, rank_and_world
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.parallel.shards import local_tensor
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -35,7 +35,7 @@ def state_digest(shared: Mapping[str, Stateful]) -> str:
     digest = hashlib.sha256()
     for key in sorted(tensors):
         tensor = tensors[key].detach()
-        tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        tensor = local_tensor(tensor)
         tensor = tensor.cpu().contiguous().reshape(-1)
         digest.update(f"{key}|{tensor.dtype}|{tuple(tensors[key].shape)}|".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes())

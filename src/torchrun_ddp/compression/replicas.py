@@ -29,11 +29,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from torchrun_ddp.compression.hooks import bf16_transport, compression_hook
 from torchrun_ddp.compression.settings import CompressionSettings
 from torchrun_ddp.compression.state import CompressionState
+from torchrun_ddp.parallel.shards import local_tensor
 
 
 class ShardBucket:
@@ -81,8 +81,8 @@ class ShardBucket:
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``, sharing its storage (detached): a DTensor's local shard
-    (FSDP), any other tensor itself."""
-    return tensor.detach().to_local() if isinstance(tensor, DTensor) else tensor
+    (FSDP), any other tensor itself (``parallel.shards.local_tensor``)."""
+    return local_tensor(tensor.detach())
 
 
 class ReplicaExchange:

@@ -40,15 +40,18 @@ METHODS: dict[str, type[Method]] = {
 """``--optimizer`` value -> its method class."""
 
 
+def method_class(name: str) -> type[Method]:
+    """The method class of ``--optimizer name``; raises UserError for an unknown name."""
+    method = METHODS.get(name)
+    if method is None:
+        raise UserError(f"unknown --optimizer {name!r}; use one of {', '.join(METHODS)}")
+    return method
+
+
 def method_for(config: TrainConfig) -> Method:
     """The method ``config`` chooses (--optimizer), with its settings validated; raises
     UserError for an unknown name or settings that do not fit together."""
-    method = METHODS.get(config.optimizer)
-    if method is None:
-        raise UserError(
-            f"unknown --optimizer {config.optimizer!r}; use one of {', '.join(METHODS)}"
-        )
-    return method(config)
+    return method_class(config.optimizer)(config)
 
 
 def method_flag_owners() -> Owners:
@@ -83,6 +86,7 @@ __all__ = [
     "PlanSizes",
     "SparseLoCoMethod",
     "check_methods",
+    "method_class",
     "method_flag_owners",
     "method_for",
     "refuse_unused",

@@ -37,6 +37,7 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import CheckpointBytes, Method, Owners, PlanSizes, refuse_unused
 from torchrun_ddp.optim import build_optimizer
+from torchrun_ddp.parallel.modes import mode_class
 from torchrun_ddp.plan.communication import CommEstimate, Topology, estimate, label
 
 if TYPE_CHECKING:
@@ -78,13 +79,8 @@ class AdamWMethod(Method):
         a hook's flag given under a --compression that does not read it."""
         compression_settings(config)
         refuse_unused(config, given, COMPRESSION_FLAGS)
-        compressed = config.optimizer == cls.name and config.compression != "none"
-        if compressed and config.data_parallel == "fsdp":
-            raise UserError(
-                f"--compression {config.compression} compresses the exchange between replicas, "
-                "and --data-parallel fsdp has none (FSDP reduce-scatters the gradients over "
-                "every rank); use --data-parallel hsdp, or --compression none"
-            )
+        if config.optimizer == cls.name:
+            mode_class(config.data_parallel).check_comm_hook(config)
         if config.overlap_exchange and config.optimizer == cls.name:
             raise UserError(
                 "--overlap-exchange delays the exchange of --optimizer demo, diloco or "
@@ -97,9 +93,9 @@ class AdamWMethod(Method):
         """The ``--compression`` comm hook (``compression.register_compression``)."""
         return register_compression(ddp_model, self.hook, node_groups=node_groups)
 
-    def exchanges_replicas(self, mesh_dims: int) -> bool:
+    def exchanges_replicas(self, replicate_dim: bool) -> bool:
         """hsdp with a --compression hook: the hook exchanges the shards across replicas."""
-        return mesh_dims == 2 and self.hook.method != "none"
+        return replicate_dim and self.hook.method != "none"
 
     def register_sharded(
         self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None

@@ -32,6 +32,7 @@ from torchrun_ddp.compression import (
 from torchrun_ddp.config import TrainConfig, flag_name
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.plan.communication import CommEstimate, Topology
+from torchrun_ddp.plan.settings import Footprint
 
 if TYPE_CHECKING:
     from torchrun_ddp.distributed import NodeGroups
@@ -143,9 +144,9 @@ class Method:
             f"{self.config.data_parallel} yet; use --optimizer adamw or --data-parallel ddp"
         )
 
-    def exchanges_replicas(self, mesh_dims: int) -> bool:
-        """Whether, on a sharded model's mesh of ``mesh_dims`` dimensions (2: hsdp's replicate x
-        shard), the method averages the gradient shards over the replicate dimension itself;
+    def exchanges_replicas(self, replicate_dim: bool) -> bool:
+        """Whether, on a sharded model's mesh with a replicate dimension (``replicate_dim``:
+        hsdp's replicate x shard), the method averages the gradient shards over it itself;
         FSDP then shards on the shard dimension alone. False by default (FSDP's all-reduce)."""
         return False
 
@@ -231,6 +232,13 @@ class Method:
         dropped."""
 
     # -- the plan ------------------------------------------------------------------------------
+
+    @classmethod
+    def footprint(cls) -> Footprint:
+        """What its optimizer holds per trained parameter and allocates in its step, for the
+        memory plan: AdamW's by default (two moments in the weights' dtype; ZeRO-1 can shard
+        them)."""
+        return Footprint()
 
     def describe(self) -> str:
         """One line for logs and plan tables."""

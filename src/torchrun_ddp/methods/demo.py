@@ -30,8 +30,13 @@ from torchrun_ddp.optim import (
     validate_demo,
 )
 from torchrun_ddp.plan.communication import CommEstimate, Topology, demo_estimate
+from torchrun_ddp.plan.settings import Footprint
 
 log = logging.getLogger("torchrun_ddp")
+
+DEMO_STEP_COPIES = 5
+"""fp32 copies of one parameter alive at once in DeMo's step: its momentum's DCT coefficients,
+the sent coefficients and their inverse, then the decode's sum, sender count and inverse."""
 
 
 def demo_settings(config: TrainConfig) -> DemoSettings:
@@ -64,6 +69,15 @@ class DeMoMethod(ExchangingMethod):
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
         self.settings = demo_settings(config)
+
+    @classmethod
+    def footprint(cls) -> Footprint:
+        """One fp32 momentum per trained parameter, never sharded; its step transforms one
+        parameter at a time (``DEMO_STEP_COPIES`` fp32 copies of the largest)."""
+        return Footprint(
+            moments=0, fp32_state=FP32, step_copies=DEMO_STEP_COPIES, label="DeMo",
+            state="DeMo momentum", step="DeMo tile transforms, largest parameter", zero1=False,
+        )  # fmt: skip
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:

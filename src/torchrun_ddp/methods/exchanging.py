@@ -14,6 +14,7 @@ from torchrun_ddp.compression import CompressionSettings, CompressionState, Shar
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import Method
+from torchrun_ddp.parallel.modes import mode_class
 
 
 class ExchangingMethod(Method):
@@ -26,10 +27,9 @@ class ExchangingMethod(Method):
     @classmethod
     def check_exchange(cls, config: TrainConfig) -> None:
         """Raise UserError for settings an optimizer that communicates itself cannot run with:
-        a comm hook on top, ZeRO-1, a node-aware scope it has no exchange for, or a sharded
-        model (its exchange works on whole replicas)."""
-        if config.data_parallel != "ddp":
-            cls.check_sharded(config)
+        a mode without replicas to exchange between (``DataParallel.check_exchanging_method``),
+        a comm hook on top, ZeRO-1, or a node-aware scope it has no exchange for."""
+        mode_class(config.data_parallel).check_exchanging_method(cls.name, config)
         if config.compression_scope != "global" and not cls.node_aware:
             raise UserError(
                 f"--compression-scope {config.compression_scope} works with --optimizer adamw, "
@@ -48,24 +48,9 @@ class ExchangingMethod(Method):
                 "and update are its own); drop --zero1"
             )
 
-    @classmethod
-    def check_sharded(cls, config: TrainConfig) -> None:
-        """Raise UserError unless the method can run on a sharded model as ``config`` asks: on
-        the local shards across hsdp's replicas, without an overlapped exchange."""
-        mode = config.data_parallel
-        if mode != "hsdp":
-            raise UserError(
-                f"--optimizer {cls.name} exchanges between replicas, and --data-parallel {mode} "
-                "has none; use --data-parallel hsdp (shards within a node, replicas across)"
-            )
-        if config.overlap_exchange:
-            raise UserError(
-                f"--overlap-exchange is not supported under --data-parallel {mode} yet; drop it"
-            )
-
-    def exchanges_replicas(self, mesh_dims: int) -> bool:
+    def exchanges_replicas(self, replicate_dim: bool) -> bool:
         """hsdp: the method exchanges the shards across replicas; FSDP stays in a replica."""
-        return mesh_dims == 2
+        return replicate_dim
 
     def register_sharded(
         self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from torchrun_ddp.checkpoint import Stateful, load_rank_states
-from torchrun_ddp.compression import CompressionState
+from torchrun_ddp.compression import CompressionState, ShardedExchange
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import FP32, CheckpointBytes, MemoryRow, PlanSizes
@@ -36,6 +37,7 @@ from torchrun_ddp.plan.communication import (
     demo_estimate,
     local_update_estimates,
 )
+from torchrun_ddp.plan.settings import Footprint
 
 if TYPE_CHECKING:
     from torchrun_ddp.optim import LocalUpdateSettings
@@ -63,12 +65,27 @@ class LocalUpdatesMethod(ExchangingMethod):
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
         self.settings: LocalUpdateSettings = local_update_settings(config)
+        self._sharded = False
+
+    @classmethod
+    def footprint(cls) -> Footprint:
+        """The inner AdamW's (two moments); ZeRO-1 cannot shard a state each rank steps on its
+        own gradient. The synced copy and the outer state are ``memory_rows``."""
+        return Footprint(zero1=False)
+
+    def register_sharded(
+        self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None
+    ) -> CompressionState:
+        """``ExchangingMethod.register_sharded``, remembering that the model is sharded (its
+        inner state is then shard-shaped)."""
+        self._sharded = True
+        return super().register_sharded(model, exchange, replicate)
 
     def load_resharded(
         self, model: torch.nn.Module, path: Path, saved: Mapping[str, object], rank: int
     ) -> None:
         """Under hsdp the inner state is shard-shaped: refused at another world size."""
-        if self.config.data_parallel != "ddp":
+        if self._sharded:
             raise UserError(
                 f"{path} was saved by {saved['world_size']} ranks; --optimizer {self.name} under "
                 "--data-parallel hsdp resumes at the saved world size only; start with "

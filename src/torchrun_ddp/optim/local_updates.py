@@ -62,7 +62,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Optimizer
 
 from torchrun_ddp.compression.replicas import local_shard
@@ -82,6 +81,7 @@ from torchrun_ddp.optim.local_update_config import (
     local_update_settings,
     validate_local_updates,
 )
+from torchrun_ddp.parallel.shards import laid_out_like
 
 if TYPE_CHECKING:
     from torchrun_ddp.distributed import NodeGroups
@@ -240,13 +240,7 @@ class LocalUpdates(Optimizer):
 
     def laid_out_one(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """:meth:`laid_out` for the trained tensor at ``index``."""
-        param = self.parameters[index]
-        if not isinstance(param, DTensor):
-            return tensor
-        return DTensor.from_local(
-            tensor, param.device_mesh, param.placements, run_check=False,
-            shape=param.shape, stride=param.stride(),
-        )  # fmt: skip
+        return laid_out_like(tensor, self.parameters[index])
 
     def share(self) -> list[int]:
         """The tensors (positions) whose error feedback this rank keeps: all of them, or its

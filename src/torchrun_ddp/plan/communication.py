@@ -83,8 +83,8 @@ def last_bucket_share(sizes: Sequence[int], bucket_bytes: float = DDP_BUCKET_BYT
     DDP fills buckets in reverse order of the parameters (``sizes``: element counts in
     ``model.parameters()`` order), closing a bucket once it holds ``bucket_bytes`` or more; the
     last bucket holds what is left of the first parameters. This package always passes
-    ``bucket_cap_mb`` (``model.wrap_ddp``), so the first bucket has the same cap (torch caps it
-    at 1 MiB only when ``bucket_cap_mb`` is left unset: ``_BucketCapacityConfig`` in
+    ``bucket_cap_mb`` (``parallel.ddp.wrap_ddp``), so the first bucket has the same cap (torch
+    caps it at 1 MiB only when ``bucket_cap_mb`` is left unset: ``_BucketCapacityConfig`` in
     ``torch/nn/parallel/distributed.py``). A model under one cap is one bucket: share 1."""
     total = sum(sizes) * FP32
     if not total:

@@ -1,0 +1,224 @@
+"""What every data-parallel mode answers (:class:`DataParallel`), so that the loop, the
+checkpoints, the plan and the methods never ask which mode a run uses.
+
+A mode is one object, built once from the run's config and its ranks (``modes.mode_for``). It
+owns the device mesh (the shard degree and the replica groups, from one function that the plan
+uses too: :meth:`DataParallel.mesh_shape`), wrapping the model (DDP's buckets and buffers, or
+FSDP2's units), the gradient exchange's no-sync, gradient clipping, the full state export, which
+checkpoint folders may hold whole replicas, its flag checks, and its rows in the plan (memory and
+communication). The three modes: :mod:`.ddp` (every rank a whole replica), :mod:`.fsdp` (``fsdp``
+shards over every rank, ``hsdp`` within groups of ``--shard-degree`` ranks, replicated across).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from torchrun_ddp.checkpoint import StorageLayout
+    from torchrun_ddp.compression import CompressionState
+    from torchrun_ddp.config import TrainConfig
+    from torchrun_ddp.distributed import DistEnv
+    from torchrun_ddp.model import ModelSpec
+    from torchrun_ddp.plan.communication import CommEstimate, Topology
+    from torchrun_ddp.plan.memory import MemoryPlan, PlanRequest
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The data-parallel ranks as ``replicate`` groups of ``shard`` ranks (world = product;
+    ranks numbered shard-fastest, so that a node's ranks share a shard group)."""
+
+    replicate: int
+    shard: int
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a mode builds: ``model`` (the causal LM: a PeftModel under LoRA, sharded in place by
+    FSDP), ``runner`` (what the loop runs: the DDP wrapper, or the sharded model itself) and the
+    method's ``compression`` state (its comm hook's, or the sharded exchange's wire bytes)."""
+
+    model: torch.nn.Module
+    runner: torch.nn.Module
+    compression: CompressionState
+
+
+class ExchangingRun(Protocol):
+    """What a mode needs of the training method while it builds: its comm hook (DDP), and
+    whether and how it exchanges a sharded model's shards across replicas (hsdp)."""
+
+    def register_hook(
+        self, ddp_model: torch.nn.parallel.DistributedDataParallel, node_groups: object
+    ) -> CompressionState:
+        """Register the DDP comm hook; its state counts wire bytes."""
+        ...
+
+    def exchanges_replicas(self, replicate_dim: bool) -> bool:
+        """Whether the method averages a sharded model's shards over the replicas itself, on a
+        mesh with (``replicate_dim``) or without a replicate dimension."""
+        ...
+
+    def register_sharded(
+        self, model: torch.nn.Module, exchange: object, replicate: object
+    ) -> CompressionState:
+        """The state counting a sharded model's collectives (and the method's own)."""
+        ...
+
+
+class DataParallel:
+    """One ``--data-parallel`` mode (subclasses name it in ``name``; ``modes.MODES`` is the
+    table) on its mesh: ``world_size`` ranks, ``ranks_per_node`` of them on a node, and
+    ``shard_degree`` (--shard-degree; 0: a node) where the mode reads it. The run's other
+    settings come with each call that needs them.
+
+    Raises UserError from the constructor when the mesh does not divide the ranks (before any
+    process group starts, as the start-up checks build it)."""
+
+    name: ClassVar[str] = ""
+    """``--data-parallel``'s value."""
+    flags: ClassVar[tuple[str, ...]] = ()
+    """Config fields only this mode reads; one given under another mode is refused."""
+    sharded: ClassVar[bool] = False
+    """Whether each rank holds a shard of the weights (FSDP2) rather than all of them."""
+    replicate_dim: ClassVar[bool] = False
+    """Whether the mesh has a replicate dimension over which a sharded model's shards are
+    exchanged (hsdp), by FSDP or by the training method itself."""
+
+    def __init__(self, world_size: int, ranks_per_node: int, shard_degree: int = 0) -> None:
+        self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
+        self.shape = self.mesh_shape(world_size, ranks_per_node, shard_degree)
+
+    # -- the mesh --------------------------------------------------------------------------------
+
+    @classmethod
+    def mesh_shape(cls, world_size: int, ranks_per_node: int, shard_degree: int = 0) -> MeshShape:
+        """The mesh on ``world_size`` ranks (``ranks_per_node`` a node, ``shard_degree`` as
+        --shard-degree gives it): each subclass. The plan calls it with the planned cluster."""
+        raise NotImplementedError
+
+    def replica_groups(self) -> list[list[int]] | None:
+        """The ranks that hold the same shared state, whose copies must be equal after a
+        resume: None when every rank does (ddp), else one group per shard."""
+        return None
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    @classmethod
+    def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
+        """Raise UserError for a setting that does not go with this mode (each subclass),
+        naming the mode that accepts it."""
+
+    @classmethod
+    def check_exchanging_method(cls, method: str, config: TrainConfig) -> None:
+        """Raise UserError where ``method`` (DeMo, DiLoCo, SparseLoCo: an optimizer that
+        exchanges between replicas itself) cannot run under this mode."""
+
+    @classmethod
+    def check_comm_hook(cls, config: TrainConfig) -> None:
+        """Raise UserError where ``config``'s --compression comm hook cannot run here."""
+
+    def check_storage(self, root: Path, storage: StorageLayout) -> None:
+        """Raise UserError where a folder of ``storage`` (the checkpoint folders' domains)
+        cannot hold a whole copy of the state."""
+
+    # -- the model -------------------------------------------------------------------------------
+
+    def build(
+        self,
+        spec: ModelSpec,
+        device: torch.device,
+        env: DistEnv,
+        method: ExchangingRun,
+        config: TrainConfig,
+    ) -> Built:
+        """Collective: the model of ``spec`` on ``device``, wrapped or sharded as ``config``
+        says, with the method's comm hook or exchange (each subclass)."""
+        raise NotImplementedError
+
+    def no_sync(self, runner: torch.nn.Module) -> AbstractContextManager[None]:
+        """A backward inside runs without the gradient exchange (each subclass)."""
+        raise NotImplementedError
+
+    def module(self, runner: torch.nn.Module) -> torch.nn.Module:
+        """The model inside ``runner`` (its parameters' names are the checkpoint's)."""
+        return runner
+
+    def clip_grad_norm(self, runner: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over ``runner``'s parameters; returns the global L2
+        norm before clipping as a plain scalar tensor (collective for a sharded model)."""
+        return torch.nn.utils.clip_grad_norm_(runner.parameters(), max_norm)
+
+    def full_state_dict(self, runner: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Collective for a sharded model: its whole state dict on rank 0's host (an empty dict
+        on the other ranks); None when the model holds its whole weights already."""
+        return None
+
+    def identity(self) -> dict[str, object]:
+        """The keys a checkpoint must match to be resumed by this mode."""
+        return {"data_parallel": self.name}
+
+    def describe(self) -> str:
+        """The mode for log lines, e.g. ``hsdp on a mesh of 2 x 4 ranks (replicate x shard)``."""
+        return self.name
+
+    # -- the plan --------------------------------------------------------------------------------
+
+    def plan_memory(self, request: PlanRequest) -> MemoryPlan:
+        """The per-rank memory plan of ``request`` under this mode (each subclass)."""
+        raise NotImplementedError
+
+    def plan_bucket_view(self, config: TrainConfig) -> bool:
+        """Whether the plan counts gradients as views of DDP's buckets."""
+        return False
+
+    def shard_shapes(self, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """One rank's part of each of ``shapes``: FSDP2 splits dim 0 (``ceil(rows / S)``
+        rows); the shapes themselves when nothing is sharded."""
+        degree = self.shape.shard
+        return [(-(-s[0] // degree), *s[1:]) if s else s for s in shapes]
+
+    def fit_changes(self) -> frozenset[str]:
+        """The setting changes the plan's fit suggestions may try under this mode."""
+        return frozenset()
+
+    def nothing_fits(self, device_gib: float, smallest_gib: float, floor_gib: float) -> str:
+        """Why nothing fits: the smallest plan per rank ``smallest_gib`` and the weights and
+        gradients it cannot shed ``floor_gib`` (each subclass)."""
+        raise NotImplementedError
+
+    def traffic(
+        self,
+        config: TrainConfig,
+        shapes: Sequence[tuple[int, ...]],
+        topo: Topology,
+        method: PlannedMethod,
+    ) -> list[str]:
+        """Lines of the communication plan about the mode's own collectives (none for ddp: the
+        comm hooks' table is its traffic)."""
+        return []
+
+
+class PlannedMethod(Protocol):
+    """What a mode's communication plan asks of the training method."""
+
+    def exchanges_replicas(self, replicate_dim: bool) -> bool:
+        """Whether the method exchanges a sharded model's shards across replicas itself."""
+        ...
+
+    def describe(self) -> str:
+        """The method for tables."""
+        ...
+
+    def step_estimate(
+        self, shapes: list[tuple[int, ...]], topo: Topology, bucket_bytes: float
+    ) -> CommEstimate:
+        """Its communication per step."""
+        ...
