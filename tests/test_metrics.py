@@ -1,4 +1,4 @@
-"""metrics.py units that need no process group: the CPU matmul peak used for MFU."""
+"""metrics/peaks.py units that need no process group: the CPU matmul peak used for MFU."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from torchrun_ddp.metrics import gpu_peak_flops, measure_cpu_peak_flops
+from torchrun_ddp.metrics.peaks import gpu_peak_flops, measure_cpu_peak_flops
 
 
 def test_cpu_peak_leaves_the_global_rng_alone_and_is_finite() -> None:

@@ -7,7 +7,10 @@ restarting positions (``packing``), ``text`` back to back unless ``--separate-do
 Documents come from ``datasets`` streaming (the hub's ``allenai/c4`` or local json/json.gz
 files in C4's layout), are tokenised as ``BOS + tokens + EOS`` (without BOS for tokenizers that
 have none, such as Qwen2's) and packed back to back into windows of exactly ``seq_length``
-tokens, so no padding token is ever trained on.
+tokens, so no padding token is ever trained on. Local files are checked at start-up
+(``files``) and read record by record (``readers``), the hub is streamed (``hub``), either
+becomes one stream of documents (``documents``), and the tokenizer is loaded once per process
+(``tokenizer``).
 
 Training data (``build_train_loader``) follows one global document order that is a pure function
 of the seed, the epoch and the position in the stream (``GlobalPackedWindows``): every rank reads
@@ -28,23 +31,15 @@ survives restarts) and counted in the metrics (``bad_records``); past ``--max-ba
 run stops with a ``DataError``. A damaged gzip stream loses the rest of its file: one record.
 """
 
-from torchrun_ddp.training_data.documents import (
+from torchrun_ddp.training_data.documents import document_tokens, open_documents, shard_for_rank
+from torchrun_ddp.training_data.files import (
     FULL_CHECK_BYTES,
-    RECORD_FEATURES,
-    TOKENIZER_FILES,
     check_data_file,
     count_tokens,
     data_format,
-    document_tokens,
     expand_patterns,
     first_record,
-    hub_format,
-    is_local_path,
-    load_tokenizer,
-    open_documents,
-    read_records,
     resolve_files,
-    shard_for_rank,
 )
 from torchrun_ddp.training_data.formats import (
     FORMATS,
@@ -64,6 +59,7 @@ from torchrun_ddp.training_data.global_order import (
     reshard_positions,
 )
 from torchrun_ddp.training_data.heldout import PackedWindows, build_loader, eval_batches
+from torchrun_ddp.training_data.hub import hub_format
 from torchrun_ddp.training_data.loader import (
     TrainLoader,
     bad_record_count,
@@ -73,6 +69,8 @@ from torchrun_ddp.training_data.loader import (
 )
 from torchrun_ddp.training_data.multiple_choice import MultipleChoiceQuestion, read_questions
 from torchrun_ddp.training_data.packing import Packer
+from torchrun_ddp.training_data.readers import RECORD_FEATURES, read_records
+from torchrun_ddp.training_data.tokenizer import TOKENIZER_FILES, is_local_path, load_tokenizer
 
 __all__ = [
     "DATA_ORDER",

@@ -1,0 +1,41 @@
+"""The loop's progress at a log step besides its record: the progress bar of optimizer steps
+(main rank, on a terminal only) and the stop on a loss that exploded (``check_loss``). Imports
+``errors``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from tqdm import tqdm
+
+from torchrun_ddp.errors import UserError
+
+
+def progress_bar(initial: int, total: float, main_rank: bool) -> tqdm:
+    """A tqdm bar of optimizer steps from ``initial`` to ``total`` (math.inf: no end known) on
+    the main rank when stderr is a terminal; disabled (silent) otherwise."""
+    return tqdm(
+        initial=initial,
+        total=None if total == float("inf") else int(total),
+        disable=not (main_rank and sys.stderr.isatty()),
+        unit="step",
+        dynamic_ncols=True,
+    )
+
+
+def check_loss(loss: float, step: int, max_loss: float) -> None:
+    """Stop a run whose loss exploded: the log step's loss (averaged over ranks, the same on
+    every rank) is NaN or infinite, or above ``max_loss`` (> 0). Called before that step's
+    checkpoint, so none is saved over the last good one, and no final model is exported.
+
+    Raises UserError (every rank alike) with one line."""
+    if math.isfinite(loss) and not 0 < max_loss < loss:
+        return
+    bound = "not finite" if not math.isfinite(loss) else f"above --max-loss {max_loss:g}"
+    raise UserError(
+        f"the training loss is {loss:g} at step {step} ({bound}): stopped without a checkpoint "
+        "or final_model; resume the last good checkpoint with a lower --learning-rate or more "
+        "--warmup-steps"
+    )
