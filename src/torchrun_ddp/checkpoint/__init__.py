@@ -10,16 +10,18 @@ One concern per module (they import each other; nothing else in the package does
   listed, rank 0's plan (``peers``) broadcast and carried out in every folder (``settle``: newer
   steps set aside, copies published), every rank's check that it sees the chosen checkpoint
   (``verify_start``), a failure on one rank told to every rank; ``StartFlags``, ``StartPlan``.
-- ``peers``: the plan (``plan_across``, files and JSON only): each folder's inventory, the step
-  every rank can resume (--resume, --resume-from, --no-resume and another run's folder), the
-  copies that give a folder what it lacks (none with one folder).
+- ``peers``: the plan (``decide``, files only): each folder's ``Inventory`` (``list_folder``),
+  the step every rank can resume (--resume, --resume-from, --no-resume and another run's
+  folder), the copies that give a folder what it lacks (none with one folder), as a
+  ``StartDecision``; ``inventory`` and ``plan_across`` are the same in their JSON forms.
 - ``run_identity``: ``run.json`` and the run id, ``delete_run``.
 - ``adapters``: the ``Stateful`` protocol, ``ModelAndOptimizer`` and ``ShardedOptimizer`` (ZeRO-1
   state by parameter name, loadable at any world size), ``model_fingerprint``.
 - ``rng``: capture, restore and seed the global RNGs.
 - ``codec``: state trees split into JSON and tensors and joined back; fsynced file writes.
 - ``ranks``: rank, world size, barrier and agreement, JSON broadcast and gather, with or without
-  a process group.
+  a process group; the ``json_*`` readers that the typed values' ``from_json`` use (what
+  crosses the process group is a frozen dataclass on both sides, JSON only in between).
 - ``storage``: which ranks see one checkpoint folder (storage domains, found out with a probe at
   start), ``StorageLayout`` (leaders, buddy copies, each domain's process group).
 - ``transfer``: files sent between ranks in bounded chunks over the process group, checked with
@@ -54,7 +56,14 @@ from torchrun_ddp.checkpoint.adapters import (
 )
 from torchrun_ddp.checkpoint.folders import MARKER, find_latest, read_meta
 from torchrun_ddp.checkpoint.manifest import MANIFEST, VERIFY_MODES, verify_step
-from torchrun_ddp.checkpoint.peers import inventory, plan_across
+from torchrun_ddp.checkpoint.peers import (
+    Inventory,
+    StartDecision,
+    decide,
+    inventory,
+    list_folder,
+    plan_across,
+)
 from torchrun_ddp.checkpoint.ranks import all_gather_json, broadcast_json
 from torchrun_ddp.checkpoint.replicas import check_replicas, state_digest
 from torchrun_ddp.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
@@ -94,9 +103,11 @@ __all__ = [
     "RUN_FILE",
     "STORAGE_MODES",
     "VERIFY_MODES",
+    "Inventory",
     "ModelAndOptimizer",
     "Moved",
     "ShardedOptimizer",
+    "StartDecision",
     "StartFlags",
     "StartPlan",
     "Stateful",
@@ -109,11 +120,13 @@ __all__ = [
     "check_compatible",
     "check_replicas",
     "check_start",
+    "decide",
     "delete_run",
     "detect_storage",
     "exchange",
     "find_latest",
     "inventory",
+    "list_folder",
     "load_checkpoint",
     "load_owned_shards",
     "load_rank_states",

@@ -21,10 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from torchrun_ddp.checkpoint.codec import write_json
+from torchrun_ddp.checkpoint.ranks import JsonObject, json_list, json_object
 
 MANIFEST = "manifest.json"
 VERIFY_MODES = ("full", "size", "off")
@@ -33,12 +35,39 @@ UNVERIFIED = "unverified"
 _READ_BYTES = 8 * 2**20
 _RANK_FILE = re.compile(r"rank-\d+\.(json|safetensors)")
 
-Entry = list[object]
-"""``[bytes, "<sha256 hex>"]``: one file of a manifest."""
+
+@dataclass(frozen=True)
+class Entry:
+    """One file of a manifest: its ``size`` in bytes and the ``sha256`` hex digest of its
+    bytes. On disk and across ranks it is ``[bytes, "<sha256 hex>"]`` (``to_json``)."""
+
+    size: int
+    sha256: str
+
+    def to_json(self) -> list[object]:
+        """``[size, sha256]``, as manifest.json holds it."""
+        return [self.size, self.sha256]
+
+    @classmethod
+    def from_json(cls, value: object) -> Entry:
+        """An entry from ``[bytes, sha256]`` (the size may be a string of digits, as older
+        code's manifests are read). Raises ValueError for another shape."""
+        size, sha256 = json_list(value, 2)
+        return cls(int(str(size)), str(sha256))
+
+
+def entries_to_json(entries: Mapping[str, Entry]) -> JsonObject:
+    """``{file: [bytes, sha256]}``, by file name: manifest.json's ``files``."""
+    return {name: entry.to_json() for name, entry in sorted(entries.items())}
+
+
+def entries_from_json(value: object) -> dict[str, Entry]:
+    """``entries_to_json``'s inverse. Raises ValueError for another shape."""
+    return {name: Entry.from_json(entry) for name, entry in json_object(value).items()}
 
 
 def file_entry(path: Path) -> Entry:
-    """``[size in bytes, SHA-256 hex]`` of the file ``path``, read in 8 MiB blocks.
+    """The ``Entry`` (size in bytes, SHA-256 hex) of the file ``path``, read in 8 MiB blocks.
 
     Raises OSError when the file cannot be read."""
     digest, size = hashlib.sha256(), 0
@@ -46,12 +75,12 @@ def file_entry(path: Path) -> Entry:
         while block := handle.read(_READ_BYTES):
             digest.update(block)
             size += len(block)
-    return [size, digest.hexdigest()]
+    return Entry(size, digest.hexdigest())
 
 
 def bytes_entry(data: bytes) -> Entry:
-    """``[size, SHA-256 hex]`` of bytes about to be written (hashing while writing)."""
-    return [len(data), hashlib.sha256(data).hexdigest()]
+    """The ``Entry`` of bytes about to be written (hashing while writing)."""
+    return Entry(len(data), hashlib.sha256(data).hexdigest())
 
 
 def dcp_share(folder: Path, position: int, count: int) -> dict[str, Entry]:
@@ -71,8 +100,7 @@ def dcp_share(folder: Path, position: int, count: int) -> dict[str, Entry]:
 def write_manifest(step_dir: Path, entries: Mapping[str, Entry]) -> None:
     """Write ``manifest.json`` into ``step_dir`` (fsynced); ``entries``: every file of the
     folder but the manifest and the marker. Raises OSError when it cannot be written."""
-    files = {name: list(entry) for name, entry in sorted(entries.items())}
-    write_json(step_dir / MANIFEST, {"version": 1, "files": files})
+    write_json(step_dir / MANIFEST, {"version": 1, "files": entries_to_json(entries)})
 
 
 def read_manifest(step_dir: Path) -> dict[str, Entry] | None:
@@ -82,13 +110,15 @@ def read_manifest(step_dir: Path) -> dict[str, Entry] | None:
     if not path.is_file():
         return None
     try:
-        value = json.loads(path.read_text())
-        files = value["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        files = json_object(json.loads(path.read_text()))["files"]
+    except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{path} cannot be read ({exc})") from exc
     if not isinstance(files, dict):
         raise ValueError(f"{path} holds no file list")
-    return files
+    try:
+        return entries_from_json(files)
+    except ValueError as exc:
+        raise ValueError(f"{path} cannot be read ({exc})") from exc
 
 
 def verify_step(step_dir: Path, mode: str = "full") -> str:
@@ -115,14 +145,13 @@ def verify_step(step_dir: Path, mode: str = "full") -> str:
     return ""
 
 
-def _check_file(path: Path, entry: Sequence[object], mode: str) -> str:
+def _check_file(path: Path, entry: Entry, mode: str) -> str:
     """Why ``path`` does not match its manifest ``entry`` ("" when it does)."""
-    size, sha = int(str(entry[0])), str(entry[1])
     try:
         actual = path.stat().st_size
-        if actual != size:
-            return f"{path} has {actual} bytes, its manifest says {size}"
-        if mode == "full" and file_entry(path)[1] != sha:
+        if actual != entry.size:
+            return f"{path} has {actual} bytes, its manifest says {entry.size}"
+        if mode == "full" and file_entry(path).sha256 != entry.sha256:
             return f"{path} does not match its SHA-256 in the manifest"
     except OSError as exc:
         return f"{path} cannot be read ({exc.strerror or exc})"
@@ -141,10 +170,10 @@ def check_received(step_dir: Path, entries: Mapping[str, Entry]) -> str:
         return str(exc)
     if files is None:
         return ""
-    received = {name: list(entry) for name, entry in entries.items() if name != MANIFEST}
+    received = {name: entry for name, entry in entries.items() if name != MANIFEST}
     for name, got in sorted(received.items()):
         want = files.get(name)
-        if want is not None and [int(str(got[0])), str(got[1])] != [int(str(want[0])), want[1]]:
+        if want is not None and got != want:
             return f"{step_dir / name} does not match its manifest"
     write_manifest(step_dir, received)
     return ""
@@ -160,4 +189,4 @@ def add_entries(step_dir: Path, entries: Mapping[str, Entry]) -> None:
         return  # a damaged manifest stays damaged: the next start sets the step aside
     if files is None:
         return
-    write_manifest(step_dir, {**files, **{name: list(e) for name, e in entries.items()}})
+    write_manifest(step_dir, {**files, **entries})

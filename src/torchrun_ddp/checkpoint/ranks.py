@@ -3,14 +3,25 @@
 Every helper also works without a process group (a single process is rank 0 of 1), so the
 checkpoint functions run unchanged in one process, e.g. in tests or tools. Values cross ranks as
 UTF-8 JSON in uint8 tensors, never pickled.
+
+This is the JSON boundary of the package: the typed decisions (``peers.StartDecision``,
+``peers.Inventory``, ``transfer.Stream``, ``manifest.Entry``...) are turned into plain JSON by
+their ``to_json`` right before ``broadcast_json`` / ``all_gather_json`` (or a file write) and back
+by their ``from_json`` right after, which read it with the ``json_*`` helpers below (each raises
+ValueError for a value of another shape).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+JsonObject = dict[str, object]
+"""A JSON object as it crosses the process group or sits in a file: only ``to_json`` /
+``from_json`` of the typed values handle one."""
 
 
 def distributed() -> bool:
@@ -84,3 +95,64 @@ def all_gather_json(value: object, device: torch.device | None = None) -> list[o
         json.loads(row[:size].cpu().numpy().tobytes().decode())
         for row, size in zip(rows, sizes, strict=True)
     ]
+
+
+def json_object(value: object) -> JsonObject:
+    """``value`` as a JSON object (a dict with string keys).
+
+    Raises ValueError for anything else."""
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return value
+    raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+
+
+def json_list(value: object, length: int | None = None) -> list[object]:
+    """``value`` (a JSON array; a tuple is taken too) as a list, of ``length`` items if given.
+
+    Raises ValueError for anything else."""
+    if isinstance(value, list | tuple) and (length is None or len(value) == length):
+        return list(value)
+    raise ValueError(f"expected a JSON array of {length or 'any number of'} items, got {value!r}")
+
+
+def json_int(value: object) -> int:
+    """``value`` (a JSON number, or a string of digits) as ``int()`` reads it.
+
+    Raises ValueError for anything else (``int()``'s own message for a string)."""
+    if isinstance(value, int | float | str):
+        return int(value)
+    raise ValueError(f"expected an integer, got {value!r}")
+
+
+def json_ints(value: object) -> tuple[int, ...]:
+    """A JSON array of integers as a tuple. Raises ValueError for anything else."""
+    return tuple(json_int(item) for item in json_list(value))
+
+
+def json_float(value: object) -> float:
+    """``value`` (a JSON number) as a float. Raises ValueError for anything else."""
+    if isinstance(value, int | float):
+        return float(value)
+    raise ValueError(f"expected a number, got {value!r}")
+
+
+def json_str(value: object) -> str:
+    """``value`` (a JSON string) as is. Raises ValueError for anything else."""
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"expected a string, got {value!r}")
+
+
+def json_optional_str(value: object) -> str | None:
+    """None for JSON null, else any other value as ``str()`` writes it (a saved run id)."""
+    return None if value is None else str(value)
+
+
+def int_rows(rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Rows of integers as JSON arrays (``json_rows`` reads them back)."""
+    return [list(row) for row in rows]
+
+
+def json_rows(value: object) -> tuple[tuple[int, ...], ...]:
+    """A JSON array of arrays of integers as tuples. Raises ValueError for anything else."""
+    return tuple(json_ints(row) for row in json_list(value))

@@ -2,7 +2,7 @@
 
 ``<root>/run.json`` holds the ``run_id`` (a random hex string) of the one run whose checkpoints
 the folder holds, and every ``meta.json`` repeats it. The start (``start.agree_on_start``, deciding
-in ``peers.plan_across``) refuses to start a different run in a folder that holds another run's
+in ``peers.decide``) refuses to start a different run in a folder that holds another run's
 checkpoints, unless told to overwrite them (``delete_run``); the leader of each folder records the
 run id once every start check has passed (``record_run_id``).
 """

@@ -63,10 +63,23 @@ from torchrun_ddp.checkpoint.folders import (
     read_meta,
     remove_incomplete,
 )
-from torchrun_ddp.checkpoint.manifest import Entry, dcp_share, write_manifest
-from torchrun_ddp.checkpoint.ranks import all_gather_json, barrier, every_rank_ok, rank_and_world
+from torchrun_ddp.checkpoint.manifest import (
+    Entry,
+    dcp_share,
+    entries_from_json,
+    entries_to_json,
+    write_manifest,
+)
+from torchrun_ddp.checkpoint.ranks import (
+    all_gather_json,
+    barrier,
+    every_rank_ok,
+    json_int,
+    json_list,
+    rank_and_world,
+)
 from torchrun_ddp.checkpoint.storage import StorageLayout, single_layout
-from torchrun_ddp.checkpoint.transfer import Stream, exchange
+from torchrun_ddp.checkpoint.transfer import Stream, exchange, files_from_json, files_to_json
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import fault_point
 
@@ -160,7 +173,7 @@ def save_checkpoint(
 def _write(folder: Path, name: str, data: bytes, entries: dict[str, Entry]) -> None:
     """Write ``data`` to ``folder/name`` (fsynced) and record its manifest entry, hashed while
     writing."""
-    entries[name] = [len(data), write_bytes(folder / name, data)]
+    entries[name] = Entry(len(data), write_bytes(folder / name, data))
 
 
 def _write_manifest(tmp: Path, layout: StorageLayout, rank: int, entries: dict[str, Entry]) -> None:
@@ -170,9 +183,12 @@ def _write_manifest(tmp: Path, layout: StorageLayout, rank: int, entries: dict[s
     home = layout.domain_of(rank)
     ranks = layout.domains[home]
     entries.update(dcp_share(tmp / DCP_DIR, ranks.index(rank), len(ranks)))
-    every = all_gather_json([home, entries])
+    every = [json_list(pair, 2) for pair in all_gather_json([home, entries_to_json(entries)])]
     if rank == layout.leader:
-        mine = {name: entry for d, listed in every if d == home for name, entry in listed.items()}
+        mine: dict[str, Entry] = {}
+        for domain, listed in every:
+            if json_int(domain) == home:
+                mine.update(entries_from_json(listed))
         write_manifest(tmp, mine)
 
 
@@ -180,11 +196,11 @@ def buddy_streams(layout: StorageLayout, folder: Path, rank: int) -> list[Stream
     """Collective: the streams that copy every rank's ``rank-<r>.json`` and
     ``rank-<r>.safetensors`` (sizes read in ``folder``, gathered) to its buddy targets."""
     names = (f"rank-{rank}.json", f"rank-{rank}.safetensors")
-    sizes = [[name, (folder / name).stat().st_size] for name in names]
-    every = all_gather_json(sizes)
+    sizes = tuple((name, (folder / name).stat().st_size) for name in names)
+    every = [files_from_json(files) for files in all_gather_json(files_to_json(sizes))]
     return [
-        Stream(sender, target, tuple((str(name), int(size)) for name, size in every[sender]))
-        for sender in range(len(every))
+        Stream(sender, target, files)
+        for sender, files in enumerate(every)
         for target in layout.buddy_targets(sender)
     ]
 

@@ -2,7 +2,7 @@
 
 One path for every storage layout (``storage``): a shared file system is one storage domain, a
 folder per node or per site one domain each. Each domain's leader lists its folder
-(``peers.inventory``); rank 0 decides from every list (``peers.plan_across``: the newest step that
+(``peers.list_folder``); rank 0 decides from every list (``peers.decide``: the newest step that
 every rank can resume, the copies a folder lacks; none with one domain) and checks the run's
 other records (``check``: metrics.jsonl); the decision is broadcast and carried out in every
 folder (``settle``): the old run deleted (--overwrite-output-dir), newer steps set aside, the
@@ -12,6 +12,10 @@ every rank checks that its folder holds the chosen checkpoint (``verify_start``)
 Every step ends with every rank knowing whether every other rank succeeded, so that a failure on
 one rank (an unreadable folder, a disk error, a refusal) stops every rank with the same line
 instead of leaving the others waiting in a collective until the timeout.
+
+What crosses the process group is typed on both sides: a leader's ``peers.Inventory`` or its
+``Failure``, rank 0's ``peers.StartDecision`` or its ``Failure``, each as JSON only inside the
+gather and the broadcast (``_send``, ``_received``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,17 +41,23 @@ from torchrun_ddp.checkpoint.folders import (
     remove_incomplete,
 )
 from torchrun_ddp.checkpoint.manifest import Entry, add_entries, check_received
-from torchrun_ddp.checkpoint.peers import Inventory, Rebuild, inventory, plan_across
+from torchrun_ddp.checkpoint.peers import Inventory, Rebuild, StartDecision, decide, list_folder
 from torchrun_ddp.checkpoint.ranks import (
+    JsonObject,
     all_gather_json,
     broadcast_json,
     collective_device,
     distributed,
+    json_float,
+    json_int,
+    json_list,
+    json_object,
+    json_str,
     rank_and_world,
 )
 from torchrun_ddp.checkpoint.run_identity import delete_run
 from torchrun_ddp.checkpoint.storage import StorageLayout, span
-from torchrun_ddp.checkpoint.transfer import CHUNK_BYTES, Moved, Stream, exchange
+from torchrun_ddp.checkpoint.transfer import CHUNK_BYTES, Moved, exchange
 from torchrun_ddp.errors import UserError
 
 log = logging.getLogger("torchrun_ddp")
@@ -93,7 +103,7 @@ class StartPlan:
     step: int = 0
     lost: tuple[int, ...] = ()
     """Ranks of the checkpoint whose own state no folder holds (several storage domains, more
-    lost than buddy copies): the caller rebuilds it (``peers.plan_across``)."""
+    lost than buddy copies): the caller rebuilds it (``peers.decide``)."""
     segment: int = 0
     """The timeline the run trains on from here: 0 for a fresh run, else one above every
     checkpoint's ``segment`` in the folder(s), so that a step saved again outranks a stale copy
@@ -110,7 +120,7 @@ def agree_on_start(
     """Collective: the checkpoint every rank resumes (a fresh run: ``path`` None), from this
     rank's folder ``root`` (its domain's --checkpoint-dir).
 
-    Each domain's leader lists its folder; rank 0 decides (``plan_across``) and runs
+    Each domain's leader lists its folder; rank 0 decides (``peers.decide``) and runs
     ``check(run_id, overwrite)``; the decision is broadcast and ``settle``d; every rank then
     checks that its folder holds the chosen checkpoint (``verify_start``). Rank 0 logs which
     step is resumed and why. ``rebuild``: see ``peers.Rebuild``.
@@ -122,111 +132,147 @@ def agree_on_start(
     """
     if not layout.shared:
         log.info("%s", layout.describe())
-    rank, resume_from = dist.get_rank(), flags.resume_from
-    mine: Inventory | None = None
-    failure: Exception | None = None
-    if rank == layout.leader:
-        listing = f"rank {rank} failed listing --checkpoint-dir {root}"
-        mine, failure = _attempt(lambda: inventory(root, resume_from, flags.verify), listing)
-    if layout.shared:  # only rank 0's list: nothing to gather
-        inventories = [mine]
-    else:
-        listed = all_gather_json(mine)
-        inventories = [listed[ranks[0]] for ranks in layout.domains]
-    decision: dict[str, object] = {}
+    rank = dist.get_rank()
+    listed, error = _listings(root, layout, flags, rank)
+    decided: StartDecision | Failure | None = None
     if rank == 0:
-        decision, failure = _decide(inventories, layout, flags, rebuild, check, failure)
-    decision = dict(broadcast_json(decision))
-    if failure is not None:
-        raise failure
-    if "failure" in decision:
-        raise RuntimeError(str(decision["failure"]))
-    if "error" in decision:
-        raise UserError(str(decision["error"]))
-    if decision.get("note"):
-        log.info("%s", decision["note"])
-    plan = settle(decision, root, layout, resume_from)
+        decided, error = _decide(listed, layout, flags, rebuild, check, error)
+    decision = _received(broadcast_json(_send(decided)), StartDecision.from_json)
+    if error is not None:
+        raise error
+    if not isinstance(decision, StartDecision):
+        raise (decision or Failure("rank 0 sent no decision")).exception()
+    if decision.note:
+        log.info("%s", decision.note)
+    plan = settle(decision, root, layout, flags.resume_from)
     verify_start(plan, folder_per_node=not layout.shared)
     return plan
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A rank's failed part of the start, told to every rank: ``line`` says what; ``refusal``
+    for bad input (a UserError, raised alike on every rank), else anything else (re-raised where
+    it happened, a RuntimeError naming it on the other ranks)."""
+
+    line: str
+    refusal: bool = False
+
+    def exception(self) -> Exception:
+        """The exception a rank that did not fail raises: UserError or RuntimeError."""
+        return UserError(self.line) if self.refusal else RuntimeError(self.line)
+
+    def to_json(self) -> JsonObject:
+        """``{"line": str, "refusal": bool}``."""
+        return {"line": self.line, "refusal": self.refusal}
+
+    @classmethod
+    def from_json(cls, value: object) -> Failure:
+        """``to_json``'s inverse. Raises ValueError for another shape."""
+        fields = json_object(value)
+        return cls(json_str(fields["line"]), bool(fields["refusal"]))
+
+
+def _send(value: Inventory | StartDecision | Failure | None) -> object:
+    """The JSON that carries ``value`` across the process group: null, ``{"failure": ...}``
+    or ``{"value": ...}`` (``_received`` reads it)."""
+    if value is None:
+        return None
+    return {"failure" if isinstance(value, Failure) else "value": value.to_json()}
+
+
+def _received[T](value: object, kind: Callable[[object], T]) -> T | Failure | None:
+    """``_send``'s value back, its ``value`` read by ``kind`` (a ``from_json``). Raises
+    ValueError for another shape."""
+    if value is None:
+        return None
+    fields = json_object(value)
+    if "failure" in fields:
+        return Failure.from_json(fields["failure"])
+    return kind(fields["value"])
+
+
+def _listings(
+    root: Path, layout: StorageLayout, flags: StartFlags, rank: int
+) -> tuple[list[Inventory | Failure | None], Exception | None]:
+    """Collective: every domain's listing, in domain order (each leader lists its folder; with
+    one domain only rank 0's, nothing gathered), and this rank's own exception if its listing
+    failed (kept to be re-raised once every rank is told)."""
+    mine: Inventory | Failure | None = None
+    error: Exception | None = None
+    if rank == layout.leader:
+        failed = f"rank {rank} failed listing --checkpoint-dir {root}"
+        mine, error = _attempt(lambda: list_folder(root, flags.resume_from, flags.verify), failed)
+    if layout.shared:
+        return [mine], error
+    every = all_gather_json(_send(mine))
+    return [_received(every[ranks[0]], Inventory.from_json) for ranks in layout.domains], error
+
+
 def _decide(
-    inventories: list[Inventory | None],
+    listed: Sequence[Inventory | Failure | None],
     layout: StorageLayout,
     flags: StartFlags,
     rebuild: Rebuild,
     check: Check,
-    failure: Exception | None,
-) -> tuple[dict[str, object], Exception | None]:
+    error: Exception | None,
+) -> tuple[StartDecision | Failure, Exception | None]:
     """Rank 0: a leader's failed listing (the first failure, else the first refusal), else
-    ``plan_across``'s decision once ``check`` passes; ``{"error": line}`` for a refusal,
-    ``{"failure": line}`` and the exception for anything else (re-raised on rank 0 once every
-    rank is told). ``failure``: rank 0's own failed listing, kept."""
-    problems = [i for i in inventories if i and "failure" in i] or [
-        i for i in inventories if i and "error" in i
-    ]
-    if problems:
-        return dict(problems[0]), failure
+    ``decide``'s decision once ``check`` passes, or the ``Failure`` of either and the exception
+    for anything but a refusal (re-raised on rank 0 once every rank is told). ``error``: rank
+    0's own failed listing, kept."""
+    failures = [item for item in listed if isinstance(item, Failure)]
+    if problems := [item for item in failures if not item.refusal] or failures:
+        return problems[0], error
+    inventories = [item for item in listed if isinstance(item, Inventory)]
     resume, overwrite = flags.resume_newest, flags.overwrite
 
-    def plan() -> dict[str, object]:
-        decided = plan_across(inventories, layout, resume, flags.resume_from, overwrite, rebuild)
-        check(str(decided["plan"]["run_id"]), overwrite)
-        decided["damaged"] = [
-            sorted(int(step) for step in dict(i.get("damaged") or {}) if step != "resume_from")
-            for i in inventories
-            if i is not None
-        ]
+    def plan() -> StartDecision:
+        decided = decide(inventories, layout, resume, flags.resume_from, overwrite, rebuild)
+        check(decided.run_id, overwrite)
         return decided
 
     return _attempt(plan, "rank 0 failed deciding what to resume")
 
 
-def _attempt(
-    action: Callable[[], dict[str, object]], failed: str
-) -> tuple[dict[str, object], Exception | None]:
-    """``action()``, or ``{"error": line}`` for a UserError (bad input: every rank stops with the
-    same line), or ``{"failure": "<failed>: <type>: <message>"}`` with the exception for
-    anything else (re-raised where it happened, once every rank is told)."""
+def _attempt[T](action: Callable[[], T], failed: str) -> tuple[T | Failure, Exception | None]:
+    """``action()``, or the ``Failure`` of a UserError (a refusal: every rank stops with the
+    same line), or ``Failure("<failed>: <type>: <message>")`` with the exception for anything
+    else (re-raised where it happened, once every rank is told)."""
     try:
         return action(), None
     except UserError as exc:
-        return {"error": str(exc)}, None
+        return Failure(str(exc), refusal=True), None
     except Exception as exc:  # re-raised by the caller, once every rank knows
-        return {"failure": f"{failed}: {type(exc).__name__}: {exc}"}, exc
+        return Failure(f"{failed}: {type(exc).__name__}: {exc}"), exc
 
 
 def settle(
-    decision: Mapping[str, object], root: Path, layout: StorageLayout, resume_from: str
+    decision: StartDecision, root: Path, layout: StorageLayout, resume_from: str
 ) -> StartPlan:
-    """Collective: carry out ``plan_across``'s decision in this rank's folder ``root``: delete
-    the run (--overwrite-output-dir), set aside newer steps, copy the files each folder lacks
+    """Collective: carry out ``decide``'s decision in this rank's folder ``root``: delete the
+    run (--overwrite-output-dir), set aside newer steps, copy the files each folder lacks
     (``transfer.exchange``) and publish them; returns this rank's ``StartPlan``. A folder error
     on a leader (OSError) stops every rank with one line naming the folder."""
-    plan = dict(decision["plan"])
-    step = plan.get("step")
     leader = dist.get_rank() == layout.leader
-    _everywhere(leader, lambda: delete_run(root) if decision.get("delete") else None, root)
+    _everywhere(leader, lambda: delete_run(root) if decision.delete else None, root)
+    step = decision.step
     if step is None:
-        return StartPlan(str(plan["run_id"]))
-    step = int(step)
-    damaged = list(decision.get("damaged") or [[]] * len(layout.domains))[layout.domain]
+        return StartPlan(decision.run_id)
+    damaged = decision.damaged[layout.domain] if decision.damaged else ()
     _everywhere(leader, lambda: _set_aside(root, step, damaged), root)
-    streams = [Stream(int(s), int(d), tuple((str(n), int(b)) for n, b in f)) for s, d, f in
-               decision["streams"]]  # fmt: skip
-    keeper = layout.domain in decision.get("holders", [])
-    own = Path(resume_from) if decision.get("source") == "resume_from" else root / f"step-{step}"
+    keeper = layout.domain in decision.holders
+    own = Path(resume_from) if decision.chosen else root / f"step-{step}"
     source = own if keeper else root / f"step-{step}"  # a keeper of --resume-from reads there
     fetched = root / f"step-{step}.tmp"
-    moved = exchange(streams, own, fetched, CHUNK_BYTES)
+    moved = exchange(decision.streams, own, fetched, CHUNK_BYTES)
     if leader and fetched.is_dir():
         final, whole = root / f"step-{step}", not keeper
         _everywhere(True, lambda: _place(fetched, final, step, whole, moved.entries), root)
     else:
         _everywhere(False, lambda: None, root)
     _log_moves(moved, layout, step)
-    lost = tuple(int(rank) for rank in plan.get("lost", []))
-    return StartPlan(str(plan["run_id"]), str(source), step, lost, int(plan.get("segment", 0)))
+    return StartPlan(decision.run_id, str(source), step, decision.lost, decision.segment)
 
 
 def _everywhere(acting: bool, action: Callable[[], object], root: Path) -> None:
@@ -243,7 +289,7 @@ def _everywhere(acting: bool, action: Callable[[], object], root: Path) -> None:
         raise UserError(f"{errors[0]}; check the folder's disk and permissions, then restart")
 
 
-def _set_aside(root: Path, step: int, damaged: list[int]) -> None:
+def _set_aside(root: Path, step: int, damaged: Sequence[int]) -> None:
     """Rename the ``damaged`` steps (files that do not match their manifest) to
     ``step-N.damaged`` (``step-N.damaged-2``... when taken: never deleted), complete steps newer
     than ``step`` to ``step-N.stale`` (replacing an older one), and remove what a crash left
@@ -301,14 +347,14 @@ def _place(
 
 def _log_moves(moved: Moved, layout: StorageLayout, step: int) -> None:
     """Rank 0 logs what each domain's leader received: bytes, seconds, rate."""
-    every = all_gather_json([moved.received, moved.seconds])
+    every = [json_list(pair, 2) for pair in all_gather_json([moved.received, moved.seconds])]
     for ranks in layout.domains:
-        received, seconds = every[ranks[0]]
-        if int(received):
-            rate = int(received) / max(float(seconds), 1e-9) / 2**20
+        received, seconds = json_int(every[ranks[0]][0]), json_float(every[ranks[0]][1])
+        if received:
+            rate = received / max(seconds, 1e-9) / 2**20
             log.info(
                 "step %d: the folder of %s got %.1f MiB from peers in %.2f s (%.1f MiB/s)",
-                step, span(ranks), int(received) / 2**20, float(seconds), rate,
+                step, span(ranks), received / 2**20, seconds, rate,
             )  # fmt: skip
 
 

@@ -24,11 +24,32 @@ from typing import BinaryIO
 import torch
 import torch.distributed as dist
 
-from torchrun_ddp.checkpoint.ranks import all_gather_json, collective_device
+from torchrun_ddp.checkpoint.manifest import Entry
+from torchrun_ddp.checkpoint.ranks import (
+    all_gather_json,
+    collective_device,
+    json_int,
+    json_list,
+    json_str,
+)
 from torchrun_ddp.errors import UserError
 
 CHUNK_BYTES = 64 * 2**20
 """Bytes per round of a stream (64 MiB): the memory a transfer adds on each rank it involves."""
+
+Files = tuple[tuple[str, int], ...]
+"""Files of a step folder: (path relative to the folder, size in bytes), in order."""
+
+
+def files_to_json(files: Files) -> list[list[object]]:
+    """``[[path, bytes], ...]``: ``files`` as they cross the process group."""
+    return [[name, size] for name, size in files]
+
+
+def files_from_json(value: object) -> Files:
+    """``files_to_json``'s inverse. Raises ValueError for another shape."""
+    pairs = (json_list(item, 2) for item in json_list(value))
+    return tuple((json_str(name), json_int(size)) for name, size in pairs)
 
 
 @dataclass(frozen=True)
@@ -38,12 +59,22 @@ class Stream:
 
     src: int
     dst: int
-    files: tuple[tuple[str, int], ...]
+    files: Files
 
     @property
     def size(self) -> int:
         """Bytes the stream moves."""
         return sum(size for _, size in self.files)
+
+    def to_json(self) -> list[object]:
+        """``[src, dst, [[path, bytes], ...]]``, as it crosses the process group."""
+        return [self.src, self.dst, files_to_json(self.files)]
+
+    @classmethod
+    def from_json(cls, value: object) -> Stream:
+        """``to_json``'s inverse. Raises ValueError for another shape."""
+        src, dst, files = json_list(value, 3)
+        return cls(json_int(src), json_int(dst), files_from_json(files))
 
 
 @dataclass(frozen=True)
@@ -53,9 +84,9 @@ class Moved:
 
     received: int
     seconds: float
-    entries: dict[str, list[object]] = field(default_factory=dict)
-    """``{file: [bytes, SHA-256 hex]}`` of every file written here, hashed while writing (the
-    folder's manifest takes them)."""
+    entries: dict[str, Entry] = field(default_factory=dict)
+    """The manifest ``Entry`` (bytes, SHA-256) of every file written here, by path, hashed while
+    writing (the folder's manifest takes them)."""
 
 
 class _Reader:
@@ -109,13 +140,13 @@ class _Writer:
         self.handle: BinaryIO | None = None
         self.digest = hashlib.sha256()
         self.file_digest = hashlib.sha256()
-        self.entries: dict[str, list[object]] = {}
+        self.entries: dict[str, Entry] = {}
         self.error = ""
         try:
             for name, size in self.files:
                 if size == 0:
                     self._open(name).close()
-                    self.entries[name] = [0, hashlib.sha256().hexdigest()]
+                    self.entries[name] = Entry(0, hashlib.sha256().hexdigest())
         except OSError as exc:
             self.error = f"cannot write in {self.folder} ({exc.strerror})"
 
@@ -156,7 +187,7 @@ class _Writer:
         if self.handle is not None:
             self.handle.close()
         name, size = self.files[self.index]
-        self.entries[name] = [size, self.file_digest.hexdigest()]
+        self.entries[name] = Entry(size, self.file_digest.hexdigest())
         self.file_digest = hashlib.sha256()
         self.handle, self.index, self.offset = None, self.index + 1, 0
         while self.index < len(self.files) and self.files[self.index][1] == 0:
@@ -189,7 +220,9 @@ def exchange(
     for index in range(rounds):
         _round(streams, readers, writers, index, chunk_bytes, device)
     errors = _check(streams, readers, writers, device)
-    failures = [str(error) for listed in all_gather_json(errors) for error in listed]
+    failures = [
+        json_str(error) for listed in all_gather_json(errors) for error in json_list(listed)
+    ]
     if failures:
         raise UserError(f"copying checkpoint files between ranks failed: {failures[0]}")
     received = sum(streams[i].size for i in taking)
