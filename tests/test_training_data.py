@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 import multiprocessing
@@ -142,7 +143,8 @@ def test_state_dict_resumes_at_the_exact_next_batch(
 
 def test_a_tokenizer_without_bos_packs_ids_and_eos(sample_data: Path, tmp_path: Path) -> None:
     """Qwen2-style: bos_token_id is None. Each document is ids + EOS, no None in any window."""
-    no_bos = load_tokenizer(str(sample_data / "tokenizer" / "mistral-7b-v0.1"))
+    cached = load_tokenizer(str(sample_data / "tokenizer" / "mistral-7b-v0.1"))
+    no_bos = copy.deepcopy(cached)  # load_tokenizer shares one object per folder in a process
     no_bos.bos_token = None
     assert no_bos.bos_token_id is None and no_bos.eos_token_id is not None
     data = tmp_path / "docs.json"
