@@ -98,8 +98,8 @@ from torchrun_ddp.model import (
 from torchrun_ddp.optim import build_optimizer
 from torchrun_ddp.parallel.base import MeshShape
 from torchrun_ddp.parallel.ddp import wrap_ddp
-from torchrun_ddp.parallel.fsdp import build_mesh, shard_from_rank0
 from torchrun_ddp.parallel.modes import clip_grad_norm, mesh_shape
+from torchrun_ddp.parallel.sharding import build_mesh, shard_from_rank0
 from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model, parameter_sizes
 from torchrun_ddp.plan.memory import MemoryPlan
 from torchrun_ddp.plan.settings import MIB, PlanSettings

@@ -26,7 +26,8 @@ from transformers import PretrainedConfig  # noqa: E402
 from torchrun_ddp.config import TrainConfig  # noqa: E402
 from torchrun_ddp.config_io import parse_config  # noqa: E402
 from torchrun_ddp.methods import method_for  # noqa: E402
-from torchrun_ddp.parallel.fsdp import FSDP, sharded_traffic_bytes  # noqa: E402
+from torchrun_ddp.parallel.fsdp import FSDP  # noqa: E402
+from torchrun_ddp.parallel.traffic import sharded_traffic_bytes  # noqa: E402
 from torchrun_ddp.plan.architecture import llama2_7b_config  # noqa: E402
 from torchrun_ddp.plan.communication import Topology  # noqa: E402
 from torchrun_ddp.planning import plan_run, run_mode, trained_shapes  # noqa: E402

@@ -27,6 +27,7 @@ from distributed_harness import (
     run_distributed,
     tiny_args,
 )
+from local_update_helpers import build_local_updates
 from safetensors import safe_open
 from tiny_models import (
     accumulate_local_batches,
@@ -54,7 +55,6 @@ from torchrun_ddp.optim import (
     DemoSettings,
     LocalMomentum,
     LocalUpdateSettings,
-    build_local_updates,
     parameter_groups,
 )
 from torchrun_ddp.optim.exchange import MessageExchange, assign_owners

@@ -15,11 +15,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
 
 from torchrun_ddp.compression.replicas import local_shard
+from torchrun_ddp.optim import SparseLoCo as LocalUpdates
 from torchrun_ddp.optim.demo import DeMo, DemoSettings
 from torchrun_ddp.optim.local_update_config import LocalUpdateSettings
-from torchrun_ddp.optim.local_updates import LocalUpdates
 from torchrun_ddp.parallel.base import MeshShape
-from torchrun_ddp.parallel.fsdp import build_mesh
+from torchrun_ddp.parallel.sharding import build_mesh
 
 STEPS = 4
 SPARSELOCO = LocalUpdateSettings(

@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import SMALL_LLAMA, SMALL_TOKENIZER, run_distributed, tiny_args
+from local_update_helpers import LocalUpdates, build_local_updates, memory_rows
 from tiny_models import (
     accumulate_local_batches,
     digest,
@@ -51,13 +52,10 @@ from torchrun_ddp.distributed import DistEnv, NodeGroups, new_node_groups
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.inputs import prepare_inputs
 from torchrun_ddp.main import start, train
-from torchrun_ddp.methods.local_update_memory import memory_rows
 from torchrun_ddp.optim import (
-    LocalUpdates,
     LocalUpdateSettings,
     RankState,
     SyncedState,
-    build_local_updates,
     parameter_groups,
 )
 from torchrun_ddp.plan.communication import (

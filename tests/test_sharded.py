@@ -28,7 +28,8 @@ from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import forward_backward
 from torchrun_ddp.model import build_model, enable_activation_checkpointing, load_model_config
 from torchrun_ddp.parallel.base import MeshShape
-from torchrun_ddp.parallel.fsdp import (
+from torchrun_ddp.parallel.modes import clip_grad_norm, mesh_shape
+from torchrun_ddp.parallel.sharding import (
     build_mesh,
     decoder_layers,
     holds_whole_replicas,
@@ -36,7 +37,6 @@ from torchrun_ddp.parallel.fsdp import (
     rank0_weights,
     shard_model,
 )
-from torchrun_ddp.parallel.modes import clip_grad_norm, mesh_shape
 from torchrun_ddp.plan.architecture import llama2_7b_config, meta_model
 from torchrun_ddp.plan.settings import PlanSettings
 from torchrun_ddp.planning import plan_memory, plan_run

@@ -26,7 +26,7 @@ from torchrun_ddp.compression.replicas import local_shard
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import load_model_config
-from torchrun_ddp.parallel.fsdp import decoder_layers
+from torchrun_ddp.parallel.sharding import decoder_layers
 from torchrun_ddp.plan.architecture import meta_model
 
 pytestmark = pytest.mark.slow  # trains on 2 and 4 spawned ranks

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import run_distributed
+from local_update_helpers import LocalUpdates, describe, local_update_settings
 from test_local_update_overlap import SAVE_AT, STEPS, H, _resume_in_the_delay
 from tiny_models import random_gradients, random_parameters
 
 from torchrun_ddp.compression.wire import sparseloco_chunk_payload, sparseloco_payload_bytes
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.optim import LocalUpdates, LocalUpdateSettings, describe, local_update_settings
+from torchrun_ddp.optim import LocalUpdateSettings
 from torchrun_ddp.optim.sparseloco_codec import (
     MessageFormat,
     chunk_codec,

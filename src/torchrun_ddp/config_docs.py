@@ -18,6 +18,7 @@ from typing import get_type_hints
 import tomli_w
 
 from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.config_fields import help_text
 from torchrun_ddp.config_io import build_parser, sections
 from torchrun_ddp.peer_names import HF_TRAINER, TORCHTITAN
 
@@ -84,9 +85,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _row(flags: list[str], kind: str, default: str, help_text: str) -> str:
+def _row(flags: list[str], kind: str, default: str, description: str) -> str:
     names = " ".join(f"`{flag}`" for flag in flags)
-    return f"| {names} | {kind} | {default} | {_cell(help_text)} |"
+    return f"| {names} | {kind} | {default} | {_cell(description)} |"
 
 
 def _table(rows: list[str]) -> list[str]:
@@ -118,7 +119,7 @@ def render() -> str:
             flags[field.name],
             type_text(field, hints[field.name]),
             f"`{toml_value(default)}`",
-            str(field.metadata.get("help", "")),
+            help_text(field),
         )
         grouped.setdefault(titles.get(field.name, "General"), []).append(row)
     lines = [_PREAMBLE, "## Command line only", "", *_table(_command_line_rows(parser))]

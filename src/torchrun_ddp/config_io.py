@@ -25,9 +25,11 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from transformers import HfArgumentParser
 
-from torchrun_ddp.config import PRESETS, TrainConfig, field_names, flag_name
+from torchrun_ddp.config import TrainConfig, field_names, flag_name
 from torchrun_ddp.config_checks import validate
+from torchrun_ddp.config_fields import help_text
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.methods import PRESETS
 from torchrun_ddp.peer_names import peer_flag
 
 
@@ -224,8 +226,10 @@ def build_parser() -> HfArgumentParser:
         action="store_true",
         help="Print the resolved config as TOML (readable by --config) and exit.",
     )
+    helps = {item.name: help_text(item) for item in dataclasses.fields(TrainConfig)}
     for action in parser._actions:  # show --seq-length before its alias --seq_length
         action.option_strings.sort(key=lambda option: "_" in option)
+        action.help = helps.get(action.dest, action.help)
     group_by_section(parser)
     return parser
 
@@ -239,11 +243,11 @@ def parse_config(argv: list[str]) -> TrainConfig:
     parser = build_parser()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
-    pre.add_argument("--sparseloco-preset", "--sparseloco_preset", default=None)
+    for name in PRESETS:  # a method's preset, applied under the file's and the flags' values
+        pre.add_argument(f"--{flag_name(name)}", f"--{name}", dest=name, default=None)
     known, _ = pre.parse_known_args(argv)
     values = load_toml(known.config) if known.config else {}
-    preset = known.sparseloco_preset or values.get("sparseloco_preset")
-    parser.set_defaults(**{**PRESETS.get(str(preset), {}), **values})  # a file beats a preset
+    parser.set_defaults(**{**preset_values(vars(known), values), **values})
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as exc:
@@ -257,6 +261,16 @@ def parse_config(argv: list[str]) -> TrainConfig:
     config = TrainConfig(**resolve_input_paths(values, Path.cwd()))
     validate(config, given)
     return config
+
+
+def preset_values(flags: dict[str, object], file_values: dict[str, object]) -> dict[str, object]:
+    """The field values of the methods' presets (``methods.PRESETS``) the flags or the config
+    file name (a flag's choice first), merged; {} where none is named."""
+    values: dict[str, object] = {}
+    for name, presets in PRESETS.items():
+        chosen = flags.get(name) or file_values.get(name)
+        values.update(presets.get(str(chosen), {}))
+    return values
 
 
 _UNSET = object()

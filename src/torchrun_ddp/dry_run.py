@@ -57,17 +57,20 @@ def dry_run(
     env: DistEnv,
     data_tokens: int | None = None,
     model_config: PretrainedConfig | None = None,
+    method: Method | None = None,
 ) -> str:
     """The memory and FLOP plan of this run, as text; nothing is allocated or downloaded.
 
     ``model_config``: the model's, else ``plan_model_config``'s. Device memory is
     --device-memory-gib, else the visible GPU's, else 80 GiB. ``data_tokens``: the tokens of one
     pass over the training data where known (``inputs.check_dry_run_inputs``), for the run length.
+    ``method``: the run's (``method_for(config)`` when None).
     """
     model_config = model_config or plan_model_config(config)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
-    plan, hints = plan_run(config, model_config, config.plan_world_size or env.world_size, memory)
-    method = method_for(config)
+    method = method or method_for(config)
+    world = config.plan_world_size or env.world_size
+    plan, hints = plan_run(config, model_config, world, memory, method=method)
     adapters = sum(plan.settings.adapter_sizes)
     trained = f" (+ {adapters:,} LoRA adapter parameters, trained)" if adapters else ""
     lines = [
@@ -215,7 +218,9 @@ def run_estimate(
     return method.step_estimate(shapes, topo, config.ddp_bucket_cap_mb * 2**20)
 
 
-def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv) -> None:
+def check_fits(
+    config: TrainConfig, model_config: PretrainedConfig, env: DistEnv, method: Method | None = None
+) -> None:
     """Refuse a run whose memory plan does not fit the device, naming settings that would.
 
     Checked when the device memory is known: --device-memory-gib, or the visible GPU when the
@@ -231,7 +236,7 @@ def check_fits(config: TrainConfig, model_config: PretrainedConfig, env: DistEnv
         )
         return
     device_type = "cuda" if uses_cuda else "cpu"
-    plan, hints = plan_run(config, model_config, env.world_size, memory, device_type)
+    plan, hints = plan_run(config, model_config, env.world_size, memory, device_type, method)
     if plan.fits:
         return
     fix = hints[0] if hints[0].startswith("no combination") else f"it would fit with {hints[0]}"

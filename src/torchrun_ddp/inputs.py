@@ -28,7 +28,7 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import check_fits, run_device_type
 from torchrun_ddp.errors import DataError, UserError
-from torchrun_ddp.methods import method_for
+from torchrun_ddp.methods import Method, method_for
 from torchrun_ddp.metrics import (
     check_wandb_installed,
 )
@@ -37,6 +37,7 @@ from torchrun_ddp.model import (
     load_model_config,
     max_positions,
 )
+from torchrun_ddp.parallel.base import DataParallel
 from torchrun_ddp.parallel.modes import mode_for
 from torchrun_ddp.training_data import (
     ExampleFormat,
@@ -72,16 +73,20 @@ class Inputs:
     example_format: ExampleFormat = field(default_factory=ExampleFormat)
     questions: list[MultipleChoiceQuestion] = field(default_factory=list)
     """The --eval-multiple-choice questions, tokenised (every rank holds them all)."""
+    method: Method | None = None
+    """The run's training method, built and checked once (``check_settings``)."""
+    mode: DataParallel | None = None
+    """The run's data-parallel mode on its ranks, built once (``check_settings``)."""
 
 
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
     """Check the model, memory plan, tokenizer, data paths and the method's settings; raises
     UserError on the first problem."""
     model_config = load_model_config(config.model)
-    check_settings(config, env, model_config)
+    method, mode = check_settings(config, env, model_config)
     if config.fused_loss == "liger":
         check_fused_loss(run_device_type(config), str(model_config.model_type or ""))
-    check_fits(config, model_config, env)
+    check_fits(config, model_config, env, method)
     check_paths(config)
     check_data_error(config)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
@@ -99,21 +104,25 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         eval_documents=eval_documents(config, train_files, eval_files, fmt),
         example_format=fmt,
         questions=multiple_choice_questions(config, tokenizer),
+        method=method,
+        mode=mode,
     )
 
 
-def check_settings(config: TrainConfig, env: DistEnv, model_config: PretrainedConfig) -> None:
+def check_settings(
+    config: TrainConfig, env: DistEnv, model_config: PretrainedConfig
+) -> tuple[Method, DataParallel]:
     """The start-up checks that need no file but the model's config: the method's settings, the
     device, the node layout of a node-aware scope, a causal LM, --seq-length within its
-    positions, a --data-parallel mesh that divides the ranks. Raises UserError on the first
-    problem."""
-    method_for(config)
+    positions, a --data-parallel mesh that divides the ranks. Returns the run's method and
+    mode, built once here. Raises UserError on the first problem."""
+    method = method_for(config)
     if config.report_to == "wandb":
         check_wandb_installed()
     check_device(config.device)
     if config.compression_scope == "inter-node":
         check_node_layout(env)
-    mode_for(config, env.world_size, env.local_world_size)  # its mesh must divide the ranks
+    mode = mode_for(config, env.world_size, env.local_world_size)  # its mesh divides the ranks
     check_causal_lm(model_config, config.model)
     limit = max_positions(model_config)
     if limit and config.seq_length > limit:
@@ -121,17 +130,19 @@ def check_settings(config: TrainConfig, env: DistEnv, model_config: PretrainedCo
             f"--seq-length {config.seq_length} exceeds the model's {limit} positions; "
             f"use --seq-length {limit} or less"
         )
+    return method, mode
 
 
 def check_dry_run_inputs(
     config: TrainConfig, env: DistEnv, model_config: PretrainedConfig
-) -> int | None:
+) -> tuple[int | None, Method]:
     """--dry-run's share of a real start's checks (``prepare_inputs`` but the memory fit, which
     the plan reports instead): settings, output and checkpoint folders, an earlier data error,
     a local tokenizer, the data files. Returns the tokens one pass over the local training
     files gives (``count_tokens``), or None where they are not counted (hub streaming, files
-    over 64 MiB, or a hub tokenizer, which --dry-run does not download). Raises UserError."""
-    check_settings(config, env, model_config)
+    over 64 MiB, or a hub tokenizer, which --dry-run does not download), and the run's
+    method (built once, for the plan). Raises UserError."""
+    method, _ = check_settings(config, env, model_config)
     check_paths(config)
     check_data_error(config)
     name = config.tokenizer or config.model
@@ -139,8 +150,8 @@ def check_dry_run_inputs(
     train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
     resolve_files(config.eval_files, "--eval-files", config.max_bad_records)
     if tokenizer is None:
-        return None
-    return count_tokens(train_files, tokenizer, sys.maxsize)
+        return None, method
+    return count_tokens(train_files, tokenizer, sys.maxsize), method
 
 
 def multiple_choice_questions(

@@ -72,9 +72,9 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
     setup_logging(env.rank, config.verbose)
     if config.dry_run:
         model_config = plan_model_config(config)
-        data_tokens = check_dry_run_inputs(config, env, model_config)  # as a real start would
+        data_tokens, method = check_dry_run_inputs(config, env, model_config)  # as a start
         if env.is_main:
-            print(dry_run(config, env, data_tokens, model_config))
+            print(dry_run(config, env, data_tokens, model_config, method))
         return True
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)
@@ -107,8 +107,8 @@ def start(
     Raises UserError (every rank) for views of --checkpoint-dir that do not form storage
     domains, and for a start that is refused (see ``checkpoint.agree_on_start``)."""
     restarted = attempt > 1 or env.restart_count > 0
-    mode = mode_for(config, env.world_size, env.local_world_size)
-    method = method_for(config)
+    mode = inputs.mode or mode_for(config, env.world_size, env.local_world_size)
+    method = inputs.method or method_for(config)
     root, storage = checkpoint_root(config), checkpoint_storage(config, env, mode)
     metrics = Path(config.output_dir) / "metrics.jsonl"
     flags = StartFlags(

@@ -35,7 +35,7 @@ HF_TRAINER: dict[str, str] = {
     "gradient_checkpointing": "--activation-checkpointing",
     "torch_compile": "--compile",
     "use_liger_kernel": "--fused-loss liger (the fused linear cross-entropy only)",
-    "optim": "--optimizer (adamw, demo, diloco, sparseloco)",
+    "optim": "--optimizer (the training method; --help lists every one)",
     "ddp_timeout": "--timeout-s",
     "ddp_backend": "--backend",
     "model_name_or_path": "--model",

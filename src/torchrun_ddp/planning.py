@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from torchrun_ddp.compression import compression_settings
 from torchrun_ddp.config import TrainConfig
-from torchrun_ddp.methods import MemoryRow, Method, PlanSizes, method_class
+from torchrun_ddp.methods import MemoryRow, Method, PlanSizes, method_class, method_for
 from torchrun_ddp.model import (
     PRECISION_DTYPES,
     apply_lora,
@@ -278,11 +278,12 @@ def plan_run(
     world_size: int,
     memory_gib: float,
     device_type: str = "",
+    method: Method | None = None,
 ) -> tuple[MemoryPlan, list[str]]:
     """This run's per-rank memory plan (parameters counted on the meta device) and, when it does
     not fit, the setting changes that would make it fit. ``device_type`` ("cuda", "cpu"; empty:
     ``planned_device_type``) decides whether ``--fused-loss auto`` is planned as Liger's fused
-    loss (``model.uses_fused_loss``)."""
+    loss (``model.uses_fused_loss``). ``method``: the run's (``methods.method_for`` when None)."""
     model_type = str(getattr(model_config, "model_type", "") or "")
     device_type = device_type or planned_device_type(config)
     fused = uses_fused_loss(config.fused_loss, device_type, model_type)
@@ -300,7 +301,7 @@ def plan_run(
         world_size,
         config.ddp_bucket_cap_mb * 2**20,
     )
-    method = method_class(config.optimizer)(config)
+    method = method or method_for(config)
     for row in local_update_memory(config, model_config, world_size, method):  # persistent:
         if row.persistent:  # all phases; a sync's temporaries as end-of-backward buffers, an
             state += row.nbytes  # upper bound

@@ -60,7 +60,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     saved = {**IDENTITY_DEFAULTS, **trainer.method.identity_defaults(), **read_meta(path)}
     check_compatible(saved, run_identity(trainer))
     same_layout = same_data_layout(trainer, saved)
-    in_files = bool(saved.get("zero1_in_rank_files"))
+    in_files = trainer.method.shards_in_rank_files(saved)
     shared, sharded = shared_state(trainer), sharded_state(trainer, in_files)
     group = trainer.storage.group if trainer.storage is not None else None
     own = trainer.env.rank not in plan.lost

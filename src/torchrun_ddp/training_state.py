@@ -103,7 +103,7 @@ def save(trainer: Trainer) -> Path:
     meta["tokens_seen"] = trainer.tokens_seen
     meta["data_since"] = trainer.data_since
     meta["segment"] = trainer.segment
-    meta["zero1_in_rank_files"] = in_files and trainer.config.zero1
+    meta.update(trainer.method.checkpoint_meta(in_files))
     config = trainer.config
     with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
         path = save_checkpoint(

@@ -1,4 +1,4 @@
-"""Exact-resume checkpoints of a DDP run: safetensors and JSON only, published atomically.
+"""Exact-resume checkpoints of a run: safetensors and JSON only, published atomically.
 
 One concern per module (they import each other; nothing else in the package does):
 
@@ -10,10 +10,12 @@ One concern per module (they import each other; nothing else in the package does
   listed, rank 0's plan (``peers``) broadcast and carried out in every folder (``settle``: newer
   steps set aside, copies published), every rank's check that it sees the chosen checkpoint
   (``verify_start``), a failure on one rank told to every rank; ``StartFlags``, ``StartPlan``.
-- ``peers``: the plan (``decide``, files only): each folder's ``Inventory`` (``list_folder``),
-  the step every rank can resume (--resume, --resume-from, --no-resume and another run's
-  folder), the copies that give a folder what it lacks (none with one folder), as a
-  ``StartDecision``; ``inventory`` and ``plan_across`` are the same in their JSON forms.
+- ``listing``: what a folder holds (``list_folder``: an ``Inventory`` of ``StepListing``s;
+  ``inventory`` in its JSON form).
+- ``peers``: the plan (``decide``, files only) from every folder's ``Inventory``: the step
+  every rank can resume (--resume, --resume-from, --no-resume and another run's folder), the
+  copies that give a folder what it lacks (none with one folder), as a ``StartDecision``;
+  ``plan_across`` is the same in its JSON form.
 - ``run_identity``: ``run.json`` and the run id, ``delete_run``.
 - ``adapters``: the ``Stateful`` protocol, ``ModelAndOptimizer`` and ``ShardedOptimizer`` (ZeRO-1
   state by parameter name, loadable at any world size), ``model_fingerprint``.
@@ -55,15 +57,9 @@ from torchrun_ddp.checkpoint.adapters import (
     model_fingerprint,
 )
 from torchrun_ddp.checkpoint.folders import MARKER, find_latest, read_meta
+from torchrun_ddp.checkpoint.listing import Inventory, inventory, list_folder
 from torchrun_ddp.checkpoint.manifest import MANIFEST, VERIFY_MODES, verify_step
-from torchrun_ddp.checkpoint.peers import (
-    Inventory,
-    StartDecision,
-    decide,
-    inventory,
-    list_folder,
-    plan_across,
-)
+from torchrun_ddp.checkpoint.peers import StartDecision, decide, plan_across
 from torchrun_ddp.checkpoint.ranks import all_gather_json, broadcast_json
 from torchrun_ddp.checkpoint.replicas import check_replicas, state_digest
 from torchrun_ddp.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng

@@ -40,8 +40,9 @@ from torchrun_ddp.checkpoint.folders import (
     publish,
     remove_incomplete,
 )
+from torchrun_ddp.checkpoint.listing import Inventory, list_folder
 from torchrun_ddp.checkpoint.manifest import Entry, add_entries, check_received
-from torchrun_ddp.checkpoint.peers import Inventory, Rebuild, StartDecision, decide, list_folder
+from torchrun_ddp.checkpoint.peers import Rebuild, StartDecision, decide
 from torchrun_ddp.checkpoint.ranks import (
     JsonObject,
     all_gather_json,

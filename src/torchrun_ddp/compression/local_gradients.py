@@ -72,7 +72,7 @@ def register_local_gradients(
     """Register :func:`_local_hook` on ``model`` (DDP then communicates nothing in backward), or
     with ``node_groups`` :func:`_node_mean_hook` (gradients averaged inside each node), and
     return the state that counts bytes; pass it to the optimizer (``optim.build_demo``,
-    ``optim.build_local_updates``).
+    ``methods.local_updates``).
 
     Call on every rank after constructing the DDP model and before the first backward. Raises
     whatever ``register_comm_hook`` raises (e.g. a hook already registered).

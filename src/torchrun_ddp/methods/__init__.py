@@ -16,7 +16,10 @@ of: ``compression``, ``optim``, ``checkpoint`` (its state adapters) and ``plan.c
 (the link-time calculator). Imported by ``config_checks`` and the composing modules.
 """
 
+from collections.abc import Mapping
+
 from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.config_fields import OPTIMIZER_CHOICES, register_choices
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.adamw import AdamWMethod
 from torchrun_ddp.methods.base import (
@@ -38,6 +41,15 @@ METHODS: dict[str, type[Method]] = {
     SparseLoCoMethod.name: SparseLoCoMethod,
 }
 """``--optimizer`` value -> its method class."""
+
+register_choices(
+    "optimizer", OPTIMIZER_CHOICES, {name: method.summary for name, method in METHODS.items()}
+)
+
+PRESETS: dict[str, Mapping[str, Mapping[str, object]]] = {
+    method.preset_field: method.presets for method in METHODS.values() if method.preset_field
+}
+"""A preset's config field -> its presets (``Method.presets``), for ``config_io``."""
 
 
 def method_class(name: str) -> type[Method]:
@@ -76,6 +88,7 @@ def check_methods(config: TrainConfig, given: frozenset[str] = frozenset()) -> N
 
 __all__ = [
     "METHODS",
+    "PRESETS",
     "AdamWMethod",
     "CheckpointBytes",
     "DeMoMethod",

@@ -66,6 +66,7 @@ class AdamWMethod(Method):
     (fused, foreach or for-loop), optionally ZeRO-1. ``hook``: the comm hook's settings."""
 
     name = "adamw"
+    summary = "AdamW on the gradients DDP averages (through --compression)"
     flags = ("adamw_implementation", "compression_scope")
 
     def __init__(self, config: TrainConfig) -> None:
@@ -161,6 +162,14 @@ class AdamWMethod(Method):
         if shards_in_files or sharded is None:
             return {}
         return {"optimizer": ShardedOptimizer(sharded, model)}
+
+    def checkpoint_meta(self, shards_in_files: bool) -> dict[str, object]:
+        """Whether this checkpoint's ZeRO-1 shards are in the ranks' files."""
+        return {"zero1_in_rank_files": shards_in_files and self.config.zero1}
+
+    def shards_in_rank_files(self, saved: Mapping[str, object]) -> bool:
+        """A checkpoint's ZeRO-1 shards are in the ranks' files where its meta says so."""
+        return bool(saved.get("zero1_in_rank_files"))
 
     def rebuild_problem(self) -> str:
         """A ZeRO-1 shard cannot be rebuilt; AdamW's replicated state needs no rebuilding."""

@@ -106,6 +106,13 @@ class Method:
 
     name: ClassVar[str] = ""
     """``--optimizer``'s value."""
+    summary: ClassVar[str] = ""
+    """One line for --help and the configuration page: what the method does, and its source."""
+    preset_field: ClassVar[str] = ""
+    """The config field that names one of its ``presets`` ("" for none)."""
+    presets: ClassVar[Mapping[str, Mapping[str, object]]] = {}
+    """Preset name -> field values it gives where neither a flag nor the config file sets them
+    (``config_io.parse_config`` applies them)."""
     flags: ClassVar[tuple[str, ...]] = ()
     """Config fields that only this method (and the other methods that list them) reads; one of
     them given under another --optimizer is refused (``methods.check_methods``)."""
@@ -208,6 +215,17 @@ class Method:
     def identity(self) -> dict[str, object]:
         """The keys, beyond the run's, that a checkpoint must match to be resumed exactly."""
         return {}
+
+    def checkpoint_meta(self, shards_in_files: bool) -> dict[str, object]:
+        """What a checkpoint's meta records of the method's layout, for its resume
+        (``shards_in_rank_files``); ``shards_in_files``: whether sharded optimizer state goes
+        to the ranks' own files (several checkpoint folders). Nothing by default."""
+        return {}
+
+    def shards_in_rank_files(self, saved: Mapping[str, object]) -> bool:
+        """Whether the checkpoint whose meta is ``saved`` holds the method's sharded optimizer
+        state in the ranks' own files rather than in DCP. False by default."""
+        return False
 
     def identity_defaults(self) -> dict[str, object]:
         """Values of ``identity`` keys that checkpoints written before the key existed held."""

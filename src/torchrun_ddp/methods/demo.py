@@ -57,6 +57,10 @@ class DeMoMethod(ExchangingMethod):
     when lost; reset at another world size), an update in flight with --overlap-exchange."""
 
     name = "demo"
+    summary = (
+        "DeMo (Peng et al. 2024): momentum on local gradients, top-k DCT coefficients per "
+        "tile all-gathered, sign step (--learning-rate is then the sign step's size)"
+    )
     flags = (
         "demo_topk",
         "demo_tile_size",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch.distributed import ProcessGroup
@@ -21,15 +21,15 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import FP32, CheckpointBytes, MemoryRow, PlanSizes
 from torchrun_ddp.methods.exchanging import ExchangingMethod
-from torchrun_ddp.methods.local_update_memory import memory_rows
+from torchrun_ddp.methods.local_update_memory import kept_rows
 from torchrun_ddp.optim import (
     LocalUpdates,
+    LocalUpdateSettings,
     RankState,
     SyncedState,
-    build_local_updates,
     build_optimizer,
-    describe,
-    local_update_settings,
+    outer_sgd,
+    validate_local_updates,
 )
 from torchrun_ddp.plan.communication import (
     CommEstimate,
@@ -40,13 +40,18 @@ from torchrun_ddp.plan.communication import (
 from torchrun_ddp.plan.settings import Footprint
 
 if TYPE_CHECKING:
-    from torchrun_ddp.optim import LocalUpdateSettings
+    from collections.abc import Callable
 
 log = logging.getLogger("torchrun_ddp")
 
 
 class LocalUpdatesMethod(ExchangingMethod):
-    """DiLoCo's and SparseLoCo's shared answers; ``settings``: ``optim.LocalUpdateSettings``.
+    """DiLoCo's and SparseLoCo's shared answers; ``settings``: ``optim.LocalUpdateSettings``,
+    from the config with this method's defaults (``settings_of``). A subclass names its
+    optimizer (``optimizer_class``: the exchange), its paper's defaults, its outer momentum,
+    its description (``describe_exchange``) and its sync's memory (``exchange_rows``); it may
+    build its own inner and outer optimizers (``inner_optimizer``, ``outer_optimizer``), which
+    the optimizer is handed (as torchft's DiLoCo is).
 
     Under --data-parallel hsdp each replica (a node's ranks, FSDP within it) is one worker: the
     inner AdamW steps the shards on the replica's gradient, and a sync exchanges each rank's
@@ -62,10 +67,54 @@ class LocalUpdatesMethod(ExchangingMethod):
         "adamw_implementation",
     )
 
+    optimizer_class: ClassVar[type[LocalUpdates]] = LocalUpdates
+    """The optimizer that runs the sync (its exchange of the pseudo-gradient)."""
+    paper_local_steps: ClassVar[int] = 1
+    """H when --local-steps is 0: the method's paper's."""
+    paper_outer_lr: ClassVar[float] = 1.0
+    """The outer learning rate when --outer-lr is 0: the method's paper's."""
+    reads_outer_momentum: ClassVar[bool] = False
+    """Whether its outer optimizer takes --outer-momentum (Nesterov); 0 otherwise."""
+
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
-        self.settings: LocalUpdateSettings = local_update_settings(config)
+        self.settings: LocalUpdateSettings = self.settings_of(config)
         self._sharded = False
+
+    @classmethod
+    def settings_of(cls, config: TrainConfig) -> LocalUpdateSettings:
+        """This method's settings from the run's config: ``0`` for --local-steps and --outer-lr
+        means the paper's value, --outer-momentum only where the method reads it, a sync delay
+        (--sync-delay, or a whole window) under --overlap-exchange. Raises UserError for
+        values that do not fit together."""
+        settings = cls.unchecked_settings(config)
+        try:
+            validate_local_updates(settings)
+        except ValueError as exc:  # validate_local_updates raises ValueError for bad settings only
+            raise UserError(f"--optimizer {cls.name}: {exc}") from exc
+        return settings
+
+    @classmethod
+    def unchecked_settings(cls, config: TrainConfig) -> LocalUpdateSettings:
+        """``settings_of`` without the checks (the flags' ranges are checked for every
+        method)."""
+        local_steps = config.local_steps or cls.paper_local_steps
+        return LocalUpdateSettings(
+            method=cls.name,
+            local_steps=local_steps,
+            outer_lr=config.outer_lr or cls.paper_outer_lr,
+            outer_momentum=config.outer_momentum if cls.reads_outer_momentum else 0.0,
+            pseudo_gradient_dtype=config.pseudo_gradient_dtype,
+            topk=config.sparseloco_topk,
+            chunk=config.sparseloco_chunk,
+            beta=config.sparseloco_beta,
+            quant_bits=config.quant_bits,
+            sync_delay=(config.sync_delay or local_steps) if config.overlap_exchange else 0,
+            quantizer=config.sparseloco_quantizer,
+            aggregate=config.sparseloco_aggregate,
+            clip=config.sparseloco_clip,
+            eager=config.eager_updates,
+        )
 
     @classmethod
     def footprint(cls) -> Footprint:
@@ -95,24 +144,39 @@ class LocalUpdatesMethod(ExchangingMethod):
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
-        """The local-update flags (``check_local_update_flags``) and, when ``config`` chooses
-        this method, what it cannot run with."""
-        check_local_update_flags(config)
+        """The local-update flags' ranges (``check_local_update_ranges``, whatever --optimizer
+        is) and, when ``config`` chooses this method, the overlap flags and what it cannot run
+        with."""
+        check_local_update_ranges(config)
         if config.optimizer == cls.name:
+            check_overlap_flags(config)
             cls.check_exchange(config)
 
     def build_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
-        """The inner AdamW (``optim.build_optimizer``) wrapped by ``optim.build_local_updates``."""
+        """The method's inner optimizer (``inner_optimizer``) in its ``optimizer_class``, which
+        syncs over the exchange group (``exchange_group``, else the compression state's) and
+        builds the outer optimizer with ``outer_optimizer``."""
+        log.info("local updates: %s", self.describe())
+        group = self.exchange_group(compression) or compression.process_group
+        return self.optimizer_class(
+            self.inner_optimizer(model), self.settings, group, compression.count,
+            compression.node_groups, outer=self.outer_optimizer(),
+        )  # fmt: skip
+
+    def inner_optimizer(self, model: torch.nn.Module) -> Optimizer:
+        """AdamW over the model's two parameter groups (``optim.build_optimizer``)."""
         config = self.config
-        inner = build_optimizer(
+        return build_optimizer(
             model,
             config.learning_rate,
             config.weight_decay,
             implementation=config.adamw_implementation,
         )
-        log.info("local updates: %s", describe(self.settings))
-        group = self.exchange_group(compression)
-        return build_local_updates(inner, self.settings, compression, group)
+
+    def outer_optimizer(self) -> Callable[[list[torch.Tensor]], Optimizer]:
+        """Builds the outer optimizer over the synced copies: SGD at the outer learning rate,
+        with Nesterov momentum where the method reads --outer-momentum (``optim.outer_sgd``)."""
+        return outer_sgd(self.settings)
 
     @property
     def local_updates(self) -> LocalUpdates:
@@ -174,8 +238,23 @@ class LocalUpdatesMethod(ExchangingMethod):
             log.warning("local updates at another world size: dropped %s", line)
 
     def describe(self) -> str:
-        """``optim.describe``, e.g. ``sparseloco H=15 k=64/4096 2-bit beta 0.95 lr 1``."""
-        return describe(self.settings)
+        """One line, e.g. ``sparseloco H=15 k=64/4096 2-bit beta 0.95 lr 1``
+        (``describe_settings``)."""
+        return self.describe_settings(self.settings)
+
+    @classmethod
+    def describe_settings(cls, settings: LocalUpdateSettings) -> str:
+        """``<name> H=<local steps> <the exchange>`` (``describe_exchange``), then ``overlapped
+        tau=<delay>`` and ``eager`` where they apply."""
+        tail = f" overlapped tau={settings.sync_delay}" if settings.sync_delay else ""
+        tail += " eager" if settings.eager else ""
+        head = f"{settings.method} H={settings.local_steps}"
+        return f"{head} {cls.describe_exchange(settings)}{tail}"
+
+    @classmethod
+    def describe_exchange(cls, settings: LocalUpdateSettings) -> str:
+        """The exchange and outer step for ``describe_settings`` (each subclass)."""
+        raise NotImplementedError
 
     def sync_payload(self, shapes: list[tuple[int, ...]]) -> tuple[str, float]:
         """(collective, bytes per rank) of one sync (each subclass)."""
@@ -211,9 +290,31 @@ class LocalUpdatesMethod(ExchangingMethod):
         return self.communication_rows(shapes, topo)[1][1]
 
     def memory_rows(self, sizes: PlanSizes) -> list[MemoryRow]:
-        """``local_update_memory.memory_rows``."""
+        """``rows`` of this run's settings for ``sizes``."""
         shapes = list(sizes.shapes)
-        return memory_rows(self.settings, shapes, sizes.world_size, sizes.weight_bytes)
+        return self.rows(self.settings, shapes, sizes.world_size, sizes.weight_bytes)
+
+    @classmethod
+    def rows(
+        cls,
+        settings: LocalUpdateSettings,
+        shapes: list[tuple[int, ...]],
+        world_size: int,
+        param_bytes: int = 4,
+    ) -> list[MemoryRow]:
+        """What the method holds per rank beyond the inner optimizer, for trained parameters of
+        ``shapes``: the rows every local-update method keeps (``local_update_memory.kept_rows``:
+        the synced copy, with a delay the sync's start, eager updates' terms), then the
+        subclass's (``exchange_rows``)."""
+        rows = kept_rows(settings, shapes, param_bytes)
+        return rows + cls.exchange_rows(settings, shapes, world_size)
+
+    @classmethod
+    def exchange_rows(
+        cls, settings: LocalUpdateSettings, shapes: list[tuple[int, ...]], world_size: int
+    ) -> list[MemoryRow]:
+        """The memory of the method's outer state and its sync (each subclass)."""
+        raise NotImplementedError
 
     def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
         """Replicated: the synced fp32 copy. Per rank: the inner moments and, inside a window,
@@ -223,29 +324,43 @@ class LocalUpdatesMethod(ExchangingMethod):
         return CheckpointBytes(FP32 * sizes.trained, own)
 
 
-LOCAL_UPDATE_METHODS = ("diloco", "sparseloco")
-"""The methods on :class:`LocalUpdatesMethod`."""
+def local_update_names() -> str:
+    """The methods that take local updates (the subclasses of :class:`LocalUpdatesMethod` with a
+    name), as ``diloco or sparseloco``, for messages."""
+    found: list[str] = []
+    pending = list(LocalUpdatesMethod.__subclasses__())
+    while pending:
+        method = pending.pop()
+        pending.extend(method.__subclasses__())
+        found += [method.name] if method.name else []
+    names = sorted(set(found))
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
-def check_local_update_flags(config: TrainConfig) -> None:
-    """Raise UserError for the flags that only DiLoCo and SparseLoCo use, given with another
-    --optimizer or out of range (checked whatever --optimizer is)."""
-    local = config.optimizer in LOCAL_UPDATE_METHODS
-    if config.sync_delay and not (config.overlap_exchange and local):
+def check_overlap_flags(config: TrainConfig) -> None:
+    """Raise UserError for --sync-delay or --eager-updates without --overlap-exchange, and eager
+    updates with a node-aware scope (checked for the local-update method a run chooses)."""
+    names = local_update_names()
+    if config.sync_delay and not config.overlap_exchange:
         raise UserError(
-            "--sync-delay sets when an overlapped DiLoCo/SparseLoCo sync lands; use it with "
-            "--optimizer diloco or sparseloco and --overlap-exchange, or drop it"
+            "--sync-delay sets when an overlapped local-update sync lands; use it with "
+            f"--optimizer {names} and --overlap-exchange, or drop it"
         )
-    if config.eager_updates and not (config.overlap_exchange and local):
+    if config.eager_updates and not config.overlap_exchange:
         raise UserError(
-            "--eager-updates changes an overlapped DiLoCo/SparseLoCo sync; use it with "
-            "--optimizer diloco or sparseloco and --overlap-exchange, or drop it"
+            "--eager-updates changes an overlapped local-update sync; use it with "
+            f"--optimizer {names} and --overlap-exchange, or drop it"
         )
     if config.eager_updates and config.compression_scope != "global":
         raise UserError(
             "--eager-updates works with --compression-scope global (a node-aware sync's own "
             "part is split over the node's ranks); use --compression-scope global"
         )
+
+
+def check_local_update_ranges(config: TrainConfig) -> None:
+    """Raise UserError for the local-update flags out of range (checked whatever --optimizer
+    is, as every flag's range is)."""
     if config.sync_delay < 0:
         raise UserError(f"--sync-delay must be >= 0 (0: a whole window), got {config.sync_delay}")
     if config.local_steps < 0 or config.outer_lr < 0 or not 0.0 <= config.outer_momentum < 1.0:

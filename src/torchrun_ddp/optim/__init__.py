@@ -10,16 +10,16 @@ DCT tile, its own all-gather, sign step; per-rank momentum as checkpoint state),
 stepped on the local gradient, a sync every ``--local-steps``, overlapped and eager syncs),
 ``diloco`` (``DiLoCo``: all-reduce of the pseudo-gradient, outer Nesterov SGD), ``sparseloco``
 (``SparseLoCo``: error feedback, top-k per chunk, quantization, all-gather),
-``local_update_config`` (their settings from the run's config, checks, description),
+``local_update_config`` (their settings and the checks of their values),
 ``sparseloco_codec`` (SparseLoCo's messages: top-k per chunk, quantization, bit packing),
 ``exchange`` (how DeMo's and SparseLoCo's messages travel: flat all-gather or node-aware, in
 flight across steps) and ``local_update_state`` (DiLoCo's and SparseLoCo's checkpoint state:
 synced and per rank).
 
-Imports: torch, ``errors``, ``config`` (``local_update_settings`` reads it), the
-``distributed`` types it is handed, and ``compression`` (the DCT transform and tiles, wire
-sizes, and ``CompressionState``, which counts every exchange's bytes). Nothing imports it but
-the composing modules (``build``, ``main``, ``training_state``) and ``plan``.
+Imports: torch, ``errors``, the ``distributed`` types it is handed, ``parallel.shards`` (a
+sharded parameter's local part), and ``compression`` (the DCT transform and tiles, wire sizes,
+and ``CompressionState``, which counts every exchange's bytes). Nothing imports it but the
+composing modules (``build``, ``main``, ``training_state``), ``methods`` and ``plan``.
 """
 
 from torchrun_ddp.optim.adamw import (
@@ -31,20 +31,18 @@ from torchrun_ddp.optim.adamw import (
 from torchrun_ddp.optim.demo import DeMo, DemoSettings, LocalMomentum, build_demo, validate_demo
 from torchrun_ddp.optim.diloco import DiLoCo
 from torchrun_ddp.optim.local_update_config import (
-    LOCAL_UPDATE_METHODS,
     PSEUDO_GRADIENT_DTYPES,
     LocalUpdateSettings,
-    describe,
-    local_update_settings,
+    validate_local_updates,
+    validate_sparseloco_fields,
 )
 from torchrun_ddp.optim.local_update_state import RankState, SyncedState
-from torchrun_ddp.optim.local_updates import LocalUpdates, build_local_updates
+from torchrun_ddp.optim.local_updates import LocalUpdates, OuterOptimizer, outer_sgd
 from torchrun_ddp.optim.schedule import SCHEDULERS, ScheduleSettings, build_scheduler
 from torchrun_ddp.optim.sparseloco import SparseLoCo
 
 __all__ = [
     "ADAMW_IMPLEMENTATIONS",
-    "LOCAL_UPDATE_METHODS",
     "PSEUDO_GRADIENT_DTYPES",
     "SCHEDULERS",
     "DeMo",
@@ -53,17 +51,18 @@ __all__ = [
     "LocalMomentum",
     "LocalUpdateSettings",
     "LocalUpdates",
+    "OuterOptimizer",
     "RankState",
     "ScheduleSettings",
     "SparseLoCo",
     "SyncedState",
     "adamw_options",
     "build_demo",
-    "build_local_updates",
     "build_optimizer",
     "build_scheduler",
-    "describe",
-    "local_update_settings",
+    "outer_sgd",
     "parameter_groups",
     "validate_demo",
+    "validate_local_updates",
+    "validate_sparseloco_fields",
 ]

@@ -24,8 +24,6 @@ class DiLoCo(LocalUpdates):
     all-reduce runs over ``process_group``; ``--compression-scope inter-node`` is refused for
     DiLoCo)."""
 
-    method = "diloco"
-
     def payload_bytes(self) -> int:
         """Bytes of this rank's all-reduce input per sync: every trained value in
         ``settings.pseudo_gradient_dtype`` (``wire.diloco_payload_bytes``)."""

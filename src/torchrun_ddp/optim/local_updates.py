@@ -58,27 +58,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
 from torchrun_ddp.compression.replicas import local_shard
-from torchrun_ddp.compression.state import CompressionState
 from torchrun_ddp.optim.exchange import Counter, InFlight
 from torchrun_ddp.optim.local_update_config import (
     AGGREGATES,
     CLIPS,
-    LOCAL_UPDATE_METHODS,
     MAX_QUANT_BITS,
-    PAPER_LOCAL_STEPS,
-    PAPER_OUTER_LR,
     PSEUDO_GRADIENT_DTYPES,
     QUANTIZERS,
     LocalUpdateSettings,
-    describe,
-    local_update_settings,
     validate_local_updates,
 )
 from torchrun_ddp.parallel.shards import laid_out_like
@@ -89,20 +83,35 @@ if TYPE_CHECKING:
 __all__ = [  # the settings' names stay importable from here (``local_update_config`` owns them)
     "AGGREGATES",
     "CLIPS",
-    "LOCAL_UPDATE_METHODS",
     "MAX_QUANT_BITS",
-    "PAPER_LOCAL_STEPS",
-    "PAPER_OUTER_LR",
     "PSEUDO_GRADIENT_DTYPES",
     "QUANTIZERS",
     "LocalUpdateSettings",
     "LocalUpdates",
+    "OuterOptimizer",
     "PendingSync",
-    "build_local_updates",
-    "describe",
-    "local_update_settings",
+    "outer_sgd",
     "validate_local_updates",
 ]
+
+
+OuterOptimizer = Callable[[list[torch.Tensor]], Optimizer]
+"""Builds the outer optimizer over the synced fp32 copies (a method hands its own in, as
+torchft's DiLoCo takes its outer optimizer); ``outer_sgd`` by default. An optimizer with
+momentum gets its buffers at zero at once, so that a checkpoint's keys never depend on the
+step."""
+
+
+def outer_sgd(settings: LocalUpdateSettings) -> OuterOptimizer:
+    """``torch.optim.SGD`` at ``settings.outer_lr`` with Nesterov momentum
+    ``settings.outer_momentum`` (plain SGD at 0): DiLoCo's outer optimizer, SparseLoCo's
+    without momentum."""
+    momentum = settings.outer_momentum
+
+    def build(params: list[torch.Tensor]) -> Optimizer:
+        return SGD(params, lr=settings.outer_lr, momentum=momentum, nesterov=momentum > 0)
+
+    return build
 
 
 @dataclass
@@ -133,11 +142,12 @@ class LocalUpdates(Optimizer):
     ``Optimizer``; a method is a subclass (:class:`.diloco.DiLoCo`,
     :class:`.sparseloco.SparseLoCo`) that starts the exchange of the pseudo-gradient
     (:meth:`_start_exchange`), finishes it into ``synced``'s gradients
-    (:meth:`_finish_exchange`) and says its payload (:meth:`payload_bytes`).
-    ``LocalUpdates(inner, settings, ...)`` builds the subclass of ``settings.method`` (as
-    :func:`build_local_updates` does).
+    (:meth:`_finish_exchange`) and says its payload (:meth:`payload_bytes`). The training
+    method (``methods``) picks the subclass and builds the optimizers it hands in.
 
-    ``inner``: the per-rank optimizer (AdamW over ``optim.parameter_groups``); this wrapper
+    ``inner``: the per-rank optimizer (AdamW over ``optim.parameter_groups``, or the method's
+    own); ``outer``: builds the outer optimizer over the synced copies (``outer_sgd`` of the
+    settings when None); this wrapper
     shares its parameter groups (the same dicts), so a learning-rate schedule built on the
     wrapper sets the inner learning rate. ``step()`` runs one inner step and, every
     ``settings.local_steps`` calls, the sync, a collective: every rank of ``process_group``
@@ -147,42 +157,18 @@ class LocalUpdates(Optimizer):
     docstring's overlapped sync); :meth:`flush` applies one still pending.
 
     State: ``synced`` (fp32 copies of the trained parameters, the same on all ranks),
-    ``outer`` (``torch.optim.SGD`` over ``synced``, with Nesterov momentum when
-    ``settings.outer_momentum`` is set, whose buffers are created at zero here so that a
-    checkpoint's keys never depend on the step), ``error`` (per-rank fp32 error feedback per
-    parameter; empty but for SparseLoCo), ``owners`` and ``local_rank`` (which local rank keeps
-    each tensor's error feedback; empty and 0 but for node-aware SparseLoCo), ``position``
+    ``outer`` (the outer optimizer over ``synced``; momentum buffers, where it has momentum, are
+    created at zero here so that a checkpoint's keys never depend on the step), ``error``
+    (per-rank fp32 error feedback per parameter; empty but for SparseLoCo), ``owners`` and
+    ``local_rank`` (which local rank keeps each tensor's error feedback; empty and 0 but for
+    node-aware SparseLoCo), ``position``
     (inner steps since the last sync started, 0 <= position < H), ``pending`` (an overlapped
     sync not yet applied) and, with eager updates, ``last_mean`` and ``last_own``. Checkpointed
     by :class:`.local_update_state.SyncedState` (shared) and ``RankState`` (per rank).
 
-    Raises ``ValueError`` for bad settings (or settings of another method than the subclass's)
-    and ``RuntimeError`` (from torch) in ``step`` without an initialised process group.
+    Raises ``ValueError`` for bad settings and ``RuntimeError`` (from torch) in ``step`` without
+    an initialised process group.
     """
-
-    method: ClassVar[str] = ""
-    """The ``--optimizer`` name a subclass implements (``settings.method``)."""
-    _methods: ClassVar[dict[str, type[LocalUpdates]]] = {}
-
-    def __init_subclass__(cls) -> None:
-        """Register a subclass under its :attr:`method`, for :meth:`__new__`."""
-        super().__init_subclass__()
-        if cls.method:
-            LocalUpdates._methods[cls.method] = cls
-
-    def __new__(
-        cls,
-        inner: Optimizer | None = None,
-        settings: LocalUpdateSettings | None = None,
-        *args: object,
-        **kwargs: object,
-    ) -> LocalUpdates:
-        """``LocalUpdates(...)`` makes the subclass registered for ``settings.method``; a
-        subclass (or an unknown method, refused by ``__init__``) makes itself."""
-        made = cls
-        if cls is LocalUpdates and settings is not None:
-            made = LocalUpdates._methods.get(settings.method, cls)
-        return super().__new__(made)
 
     def __init__(
         self,
@@ -191,13 +177,9 @@ class LocalUpdates(Optimizer):
         process_group: dist.ProcessGroup | None = None,
         counter: Counter | None = None,
         node_groups: NodeGroups | None = None,
+        outer: OuterOptimizer | None = None,
     ) -> None:
         validate_local_updates(settings)
-        if settings.method != self.method:
-            raise ValueError(
-                f"{type(self).__name__} runs --optimizer {self.method or '<a subclass>'}, "
-                f"not {settings.method}; build it with build_local_updates"
-            )
         if settings.eager and node_groups is not None:
             raise ValueError("eager updates need a flat sync (no node groups)")
         super().__init__(inner.param_groups, inner.defaults)
@@ -214,11 +196,8 @@ class LocalUpdates(Optimizer):
         self.trained = [local_shard(p) for p in self.parameters]
         """This rank's part of each (the parameter itself, or its shard): what is synced."""
         self.synced = [p.detach().to(torch.float32, copy=True) for p in self.trained]
-        momentum = settings.outer_momentum
-        self.outer = SGD(
-            self.synced, lr=settings.outer_lr, momentum=momentum, nesterov=momentum > 0
-        )
-        if momentum:
+        self.outer = (outer or outer_sgd(settings))(self.synced)
+        if self.outer.defaults.get("momentum"):
             for copy in self.synced:
                 self.outer.state[copy]["momentum_buffer"] = torch.zeros_like(copy)
         self.error: list[torch.Tensor] = []
@@ -345,18 +324,3 @@ class LocalUpdates(Optimizer):
                 estimate = estimate + momentum * (momentum * buffer + estimate)
             param.copy_(copy - lr * estimate)
             self.last_own[index].copy_(own[index])
-
-
-def build_local_updates(
-    inner: Optimizer,
-    settings: LocalUpdateSettings,
-    state: CompressionState,
-    process_group: dist.ProcessGroup | None = None,
-) -> LocalUpdates:
-    """The :class:`LocalUpdates` subclass of ``settings.method`` (:class:`.diloco.DiLoCo` or
-    :class:`.sparseloco.SparseLoCo`) around ``inner``, syncing in ``process_group`` (default:
-    ``state``'s) and counting its bytes in ``state`` (the one
-    ``compression.local_gradients.register_local_gradients`` returned; node-aware when it has
-    node groups). Raises ``ValueError`` for bad settings."""
-    group = process_group or state.process_group
-    return LocalUpdates(inner, settings, group, state.count, state.node_groups)

@@ -25,7 +25,12 @@ from torch.optim import Optimizer
 
 from torchrun_ddp.compression.wire import sparseloco_chunk_payload
 from torchrun_ddp.optim.exchange import Counter, MessageExchange, assign_owners
-from torchrun_ddp.optim.local_updates import LocalUpdates, LocalUpdateSettings, PendingSync
+from torchrun_ddp.optim.local_updates import (
+    LocalUpdates,
+    LocalUpdateSettings,
+    OuterOptimizer,
+    PendingSync,
+)
 from torchrun_ddp.optim.sparseloco_codec import chunk_codec, decode_mean, encode_chunks
 
 if TYPE_CHECKING:
@@ -47,8 +52,6 @@ class SparseLoCo(LocalUpdates):
     (``exchange.MessageExchange``). The mean is then over nodes, not ranks.
     """
 
-    method = "sparseloco"
-
     def __init__(
         self,
         inner: Optimizer,
@@ -56,8 +59,9 @@ class SparseLoCo(LocalUpdates):
         process_group: dist.ProcessGroup | None = None,
         counter: Counter | None = None,
         node_groups: NodeGroups | None = None,
+        outer: OuterOptimizer | None = None,
     ) -> None:
-        super().__init__(inner, settings, process_group, counter, node_groups)
+        super().__init__(inner, settings, process_group, counter, node_groups, outer)
         self.error = [torch.zeros_like(copy) for copy in self.synced]
         self.codecs = [
             chunk_codec(tuple(p.shape), settings.chunk, settings.topk) for p in self.trained

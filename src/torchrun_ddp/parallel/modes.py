@@ -13,7 +13,7 @@ from torchrun_ddp.errors import UserError
 from torchrun_ddp.parallel.base import DataParallel, MeshShape
 from torchrun_ddp.parallel.ddp import DDP
 from torchrun_ddp.parallel.fsdp import FSDP, HSDP
-from torchrun_ddp.parallel.fsdp import gradient_sync_off as fsdp_sync_off
+from torchrun_ddp.parallel.sharding import gradient_sync_off as fsdp_sync_off
 from torchrun_ddp.parallel.shards import full_tensor
 
 if TYPE_CHECKING:
