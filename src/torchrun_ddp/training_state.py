@@ -130,6 +130,7 @@ def save_final_model(trainer: Trainer) -> None:
         weights = trainer.parallel.full_state_dict(trainer.model)
         if trainer.env.is_main:
             output, lora = Path(config.output_dir), config.peft == "lora"
-            model = trainer.parallel.module(trainer.model)
-            export_final_model(model, trainer.tokenizer, output, lora, state_dict=weights)
+            model = trainer.parallel.export_module(trainer.model, weights)
+            written = None if lora else weights  # peft writes a LoRA model's own tensors
+            export_final_model(model, trainer.tokenizer, output, lora, state_dict=written)
         dist.barrier()

@@ -161,6 +161,13 @@ class DataParallel:
         on the other ranks); None when the model holds its whole weights already."""
         return None
 
+    def export_module(
+        self, runner: torch.nn.Module, weights: dict[str, torch.Tensor] | None
+    ) -> torch.nn.Module:
+        """The module rank 0 exports (``model.export_final_model``), given ``full_state_dict``'s
+        ``weights``: the model inside ``runner`` by default."""
+        return self.module(runner)
+
     def identity(self) -> dict[str, object]:
         """The keys a checkpoint must match to be resumed by this mode."""
         return {"data_parallel": self.name}

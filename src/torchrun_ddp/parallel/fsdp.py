@@ -50,7 +50,7 @@ from torchrun_ddp.parallel.sharding import (
 )
 from torchrun_ddp.parallel.shards import full_tensor
 from torchrun_ddp.parallel.traffic import sharded_traffic
-from torchrun_ddp.plan.memory import sharded_plan
+from torchrun_ddp.plan.memory import sharded_lora_plan, sharded_plan
 
 if TYPE_CHECKING:
     from torchrun_ddp.checkpoint import StorageLayout
@@ -76,6 +76,8 @@ class FSDP(DataParallel):
 
     name = "fsdp"
     sharded = True
+    spec: ModelSpec | None = None
+    """What ``build`` built (for a host copy at the export)."""
 
     @classmethod
     def mesh_shape(cls, world_size: int, ranks_per_node: int, shard_degree: int = 0) -> MeshShape:
@@ -97,11 +99,6 @@ class FSDP(DataParallel):
         for name, message in _NOT_SHARDED.items():
             if getattr(config, name):
                 raise UserError(message.format(dp=mode))
-        if config.peft != "none":
-            raise UserError(
-                f"--peft {config.peft} is not supported under --data-parallel {mode} yet; use "
-                "--data-parallel ddp (LoRA's base is frozen: a 7B model fits one 24 GB GPU)"
-            )
         if config.compression_scope != "global":
             raise UserError(
                 f"--compression-scope {config.compression_scope} is a DDP comm-hook setting; use "
@@ -168,6 +165,7 @@ class FSDP(DataParallel):
         """Collective: the model sharded by FSDP2 over the mesh (``shard_from_rank0``), and the
         method's state for it (``register_sharded``): over the shard dimension alone when the
         method exchanges the shards across hsdp's replicas itself."""
+        self.spec = spec
         mesh = build_mesh(device, self.shape, hybrid=self.replicate_dim)
         exchanging = method.exchanges_replicas(self.replicate_dim)
         replicate = mesh.get_group("replicate") if exchanging else None
@@ -213,6 +211,18 @@ class FSDP(DataParallel):
         """Collective: the whole model's state dict gathered unit by unit onto rank 0's CPU."""
         return full_state_dict(runner)
 
+    def export_module(
+        self, runner: torch.nn.Module, weights: dict[str, torch.Tensor] | None
+    ) -> torch.nn.Module:
+        """Under LoRA, a host copy of the model (``spec.build`` on the meta device, allocated on
+        the CPU and filled with the gathered ``weights``: peft saves and merges its own
+        tensors); else the sharded model itself (its ``weights`` are written instead)."""
+        if self.spec is None or self.spec.lora is None or weights is None:
+            return runner
+        host = self.spec.build(torch.device("meta")).to_empty(device="cpu")
+        host.load_state_dict(weights)
+        return host
+
     def describe(self) -> str:
         """``fsdp on a mesh of 1 x 8 ranks (replicate x shard)``."""
         return f"{self.name} on a mesh of {self.shape.replicate} x {self.shape.shard} ranks"
@@ -223,7 +233,10 @@ class FSDP(DataParallel):
         """1/S of the weights, gradients and optimizer state per rank (``plan.memory
         .sharded_plan``), S the shard group's ranks."""
         shards = self.shape.shard
-        return sharded_plan(request, shards, f"{self.name} over {shards}")
+        layout = f"{self.name} over {shards}"
+        if request.settings.lora:
+            return sharded_lora_plan(request, shards, layout)
+        return sharded_plan(request, shards, layout)
 
     def nothing_fits(self, device_gib: float, smallest_gib: float, floor_gib: float) -> str:
         """Even sharded, a rank's share does not fit."""

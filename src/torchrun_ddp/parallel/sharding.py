@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.model import PRECISION_DTYPES
+from torchrun_ddp.model import weight_dtype
 from torchrun_ddp.parallel.base import MeshShape
 from torchrun_ddp.plan import meta_model, parameter_count
 
@@ -53,18 +53,24 @@ def build_mesh(device: torch.device, shape: MeshShape, hybrid: bool) -> DeviceMe
     return init_device_mesh(device.type, dims, mesh_dim_names=("replicate", "shard"))
 
 
-def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+def mixed_precision(precision: str, lora: bool = False) -> MixedPrecisionPolicy:
     """FSDP's policy for ``--precision``: bf16-mixed gathers bfloat16 copies of the float32
     shards for the forward and backward and reduces gradients in float32; fp32 and bf16 compute
-    and reduce in the weights' own dtype."""
-    if precision == "bf16-mixed":
+    and reduce in the weights' own dtype. Under ``lora`` with bf16 the fp32 adapters beside the
+    bf16 base are gathered in bfloat16 too (one dtype per unit) and their gradients reduced in
+    float32, as under bf16-mixed."""
+    if precision == "bf16-mixed" or (lora and precision == "bf16"):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
-def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: str) -> ShardedUnits:
+def shard_model(
+    model: torch.nn.Module, mesh: DeviceMesh, precision: str, lora: bool = False
+) -> ShardedUnits:
     """``fully_shard`` each decoder layer of ``model`` (modules whose class is named in the
-    model's ``_no_split_modules``), then the root, in place; the model becomes an FSDPModule.
+    model's ``_no_split_modules``; under ``lora`` the PeftModel's, with their adapters), then
+    the root, in place; the model becomes an FSDPModule. A frozen parameter is sharded and
+    gathered like any other; only the trained ones get gradients to reduce-scatter.
 
     Raises UserError for a model that names no decoder-layer class (no units to shard)."""
     layers = decoder_layers(model)
@@ -73,7 +79,7 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, precision: str) -> Sha
             f"{type(model).__name__} names no decoder-layer class (_no_split_modules), so "
             "--data-parallel fsdp/hsdp cannot split it into units; use --data-parallel ddp"
         )
-    policy = mixed_precision(precision)
+    policy = mixed_precision(precision, lora)
     layer_elements = sum(p.numel() for layer in layers for p in layer.parameters())
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -86,7 +92,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of ``model`` of a class its ``_no_split_modules`` names (a transformers
     model's decoder layers: FSDP's units, and the blocks ``--compile`` compiles under FSDP),
     also once ``fully_shard`` has given them its subclass (``FSDP<name>``)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    names = set(getattr(model, "_no_split_modules", None) or ())  # a PeftModel forwards it
     return [
         module
         for module in model.modules()
@@ -103,7 +109,7 @@ def rank0_build_device(spec: ModelSpec, device: torch.device) -> torch.device:
         return torch.device("meta")
     if device.type != "cuda" or spec.init != "random":
         return torch.device("cpu")
-    dtype = PRECISION_DTYPES[spec.precision]
+    dtype = weight_dtype(spec.precision, "lora" if spec.lora else "none")
     weights = parameter_count(meta_model(spec.model_config)) * dtype.itemsize
     free, _ = torch.cuda.mem_get_info(device)
     return device if 2 * weights <= free else torch.device("cpu")
@@ -118,7 +124,7 @@ def shard_from_rank0(
     (``load_from_rank0``)."""
     model = spec.build(rank0_build_device(spec, device))
     rank0_state = rank0_weights(model)
-    units = shard_model(model, mesh, spec.precision)
+    units = shard_model(model, mesh, spec.precision, spec.lora is not None)
     load_from_rank0(model, device, rank0_state)
     return model, units
 

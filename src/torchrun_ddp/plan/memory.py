@@ -404,6 +404,54 @@ def sharded_plan(request: PlanRequest, shards: int, layout: str) -> MemoryPlan:
     return replace(plan, phases=_phases(plan, activations, 0))
 
 
+def sharded_lora_plan(request: PlanRequest, shards: int, layout: str) -> MemoryPlan:
+    """``sharded_plan`` under LoRA: each rank keeps a 1/S shard of the frozen base (2 B, or 4 B
+    under fp32) and of the fp32 adapters, with the adapters' fp32 gradients and optimizer state
+    (and, under gradient accumulation, every adapter's unsharded gradient); units gathered in the
+    compute dtype, the adapters' gradients of one unit reduce-scattered at a time; activations
+    as ``lora_plan`` counts them (approximate). Raises UserError when ``seq_length`` exceeds the
+    model's positions."""
+    arch, parameters, settings, footprint = unpack(request)
+    check_positions(arch, settings)
+    trainable = sum(settings.adapter_sizes)
+    base_bytes, compute = (4, 4) if settings.precision == "fp32" else (2, 2)
+    trained = math.ceil(trainable / shards)
+    unsharded = 4 * trainable if settings.accumulation_steps > 1 else 0
+    saved = "fp32" if settings.precision == "fp32" else "bf16"
+    activations = activation_estimate(arch, replace(settings, precision=saved))
+    root = arch.vocab * arch.hidden * (1 if arch.tied_embeddings else 2) + arch.hidden
+    layer = (parameters + trainable - root) // max(arch.layers, 1)
+    base = "fp32" if settings.precision == "fp32" else "bf16"
+    fused = settings.fused_adamw
+    per_layer = 4 * trainable // max(arch.layers, 1)  # one unit's adapter gradients
+    frozen = request.active or parameters
+    plan = MemoryPlan(
+        settings=settings,
+        parameters=parameters,
+        weights=math.ceil(parameters / shards) * base_bytes + 4 * trained,
+        gradients=4 * trained + unsharded,
+        ddp_buckets=0,
+        optimizer_state=round(footprint.state_bytes(4) * trained),
+        optimizer_step_temporaries=footprint.step_bytes(fused, 4 * trained, [trained]),
+        autocast_weight_copies=0,
+        activations=activations.saved + activations.loss_backward,
+        overhead=int(settings.overhead_gib * GIB),
+        compression_state=settings.compression_state_bytes,
+        compression_buffers=settings.compression_buffer_bytes + per_layer,
+        gathered_units=(root + 2 * layer) * compute,
+        flops_per_token=model_flops_per_token(
+            trainable, arch.layers, arch.hidden, settings.seq_length, frozen=frozen
+        ),
+        approximate=("activations",),
+        labels=_labels(
+            settings, footprint, layout=layout if shards > 1 else "",
+            weights=f"weights (a 1/{shards} shard of the frozen {base} base + fp32 LoRA adapters)",
+            buckets="DDP buckets (none: FSDP reduce-scatters unit by unit)",
+        ),
+    )  # fmt: skip
+    return replace(plan, phases=_phases(plan, activations, 0))
+
+
 def _phases(plan: MemoryPlan, act: ActivationEstimate, copies_backward: int) -> dict[str, int]:
     """Bytes per rank at four moments of a step (see ``replicated_plan``)."""
     persistent = plan.weights + plan.ddp_buckets + plan.optimizer_state + plan.overhead
