@@ -235,7 +235,6 @@ REFUSED = {
     ("--optimizer", "demo"): "--optimizer demo",
     ("--optimizer", "diloco"): "--optimizer diloco",
     ("--optimizer", "sparseloco"): "--optimizer sparseloco",
-    ("--peft", "lora"): "--peft lora",
     ("--ddp-static-graph", "--accumulation-steps", "1"): "--ddp-static-graph",
     ("--compression-scope", "inter-node"): "--compression-scope inter-node",
     ("--checkpoint-storage", "node-local"): "--checkpoint-storage node-local",

@@ -110,13 +110,19 @@ def _two_by_two_worker(rank: int, world_size: int, data: str, root: Path) -> lis
     return out
 
 
-def _reshaped_worker(rank: int, world_size: int, data: str, root: Path) -> None:
+def _reshaped_worker(rank: int, world_size: int, data: str, root: Path) -> str:
     """Resume the 2 x 2 checkpoint of step STOP on 2 ranks with --shard-degree 2 (1 replica of
-    2 shards) and then 1 (2 replicas of 1), train nothing, export."""
+    2 shards) and then 1 (2 replicas of 1), train nothing, export; resume the 2 x 2 dct run's
+    as 2 x 1 with dct (its error feedback dropped) and train on to STEPS: its shards' digest."""
     step = root / "2x2-none" / "checkpoints" / f"step-{STOP}"
     for degree in ("2", "1"):
         extra = ("--resume-from", str(step), "--max-steps", str(STOP), "--shard-degree", degree)
         train_in_group(rank, world_size, _args(Path(data), root / f"resumed-{degree}", *extra))
+    step = root / "2x2" / "checkpoints" / f"step-{STOP}"
+    extra = (*HOOKS["dct"], "--resume-from", str(step), "--shard-degree", "1")
+    return _shard_digest(
+        train_in_group(rank, world_size, _args(Path(data), root / "dct-2", *extra)).model
+    )
 
 
 @pytest.fixture(scope="module")
@@ -194,16 +200,19 @@ def test_two_nodes_of_two_ranks_compress_across_the_nodes(
     within each node (its mesh is the node's ranks), the ranks holding the same shard on the two
     nodes end bit-identical, and the final export loads. Plain hsdp on 2 x 2 logs DDP's losses
     on 4 ranks (gradient accumulation 2), and its checkpoint resumes as 1 x 2 and as 2 x 1 with
-    the same weights, bit for bit (DCP reshards)."""
+    the same weights, bit for bit (DCP reshards); the dct run's resumes as 2 x 1 with its error
+    feedback dropped, the 2 replicas equal."""
     results = run_distributed(_two_by_two_worker, 4, str(sample_data), tmp_path, timeout=600)
     native, ddp = logged_losses(tmp_path / "2x2-none"), logged_losses(tmp_path / "2x2-ddp")
     assert sorted(native) == sorted(ddp) == list(range(1, STOP + 1))
     for step in ddp:  # 2 x 2 hsdp is DDP on 4 ranks, to fp32 tolerance
         assert native[step] == pytest.approx(ddp[step], rel=1e-4), step
-    run_distributed(_reshaped_worker, 2, str(sample_data), tmp_path, timeout=300)
+    dct = run_distributed(_reshaped_worker, 2, str(sample_data), tmp_path, timeout=300)
     for degree in ("2", "1"):  # the 2 x 2 checkpoint of step STOP resumed as 1 x 2 and 2 x 1
         resumed = final_weights(tmp_path / f"resumed-{degree}")
         assert digest(resumed) == digest(final_weights(tmp_path / "2x2-none")), degree
+    assert dct[0] == dct[1]  # dct from 4 ranks' checkpoint on 2 replicas: they stay equal
+    assert sorted(logged_losses(tmp_path / "dct-2")) == list(range(STOP + 1, STEPS + 1))
     for run in (0, 2, 3, 4):  # dct, DiLoCo, SparseLoCo after their sync, DeMo (1: plain)
         digests = [result[run][0] for result in results]
         assert [result[run][1] for result in results] == [{(0, 1)}, {(0, 1)}, {(2, 3)}, {(2, 3)}]
@@ -223,10 +232,6 @@ def test_two_nodes_of_two_ranks_compress_across_the_nodes(
          "--compression-scope global"),
         (("--data-parallel", "fsdp", "--optimizer", "diloco", "--zero1", "false"),
          "use --data-parallel hsdp"),
-        (("--data-parallel", "hsdp", "--optimizer", "diloco", "--zero1", "false",
-          "--overlap-exchange"), "--overlap-exchange is not supported"),
-        (("--data-parallel", "hsdp", "--optimizer", "demo", "--zero1", "false",
-          "--overlap-exchange"), "--overlap-exchange is not supported"),
     ],
 )  # fmt: skip
 def test_compression_without_replicas_is_refused(extra: tuple[str, ...], needle: str) -> None:

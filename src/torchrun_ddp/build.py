@@ -265,7 +265,7 @@ def build_trainer(
     method = method or method_for(config)
     built = mode.build(model_spec(config, device, inputs), device, env, method, config)
     model, compression = built.model, built.compression
-    optimizer = method.build(model, compression)
+    optimizer = method.build(model, compression, mode)
     scheduler = build_scheduler(optimizer, schedule_settings(config))
     torch.manual_seed(config.seed + env.rank)
     compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16

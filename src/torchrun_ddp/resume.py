@@ -74,7 +74,7 @@ def resume(trainer: Trainer, plan: StartPlan) -> None:
     trainer.tokens_seen = int(saved["tokens_seen"])
     trainer.data_since = saved.get("data_since") if same_layout else trainer.step
     trainer.segment = plan.segment
-    if int(saved["world_size"]) != trainer.env.world_size:
+    if reshaped(trainer, saved):
         resume_resharded(trainer, path, saved, plan.lost)
     elif per_rank is None:
         rebuild_own_state(trainer, path)
@@ -207,10 +207,20 @@ def old_data_positions(
     ]
 
 
+def reshaped(trainer: Trainer, saved: Mapping[str, object]) -> bool:
+    """Whether the checkpoint was saved at another world size or on another device mesh (hsdp
+    at another --shard-degree): each rank's own state is then re-split (``resume_resharded``).
+    A checkpoint that does not record its mesh was saved on this world size's."""
+    if int(cast(int, saved["world_size"])) != trainer.env.world_size:
+        return True
+    mesh = trainer.parallel.checkpoint_meta()["mesh"]
+    return saved.get("mesh", mesh) != mesh
+
+
 def resume_resharded(
     trainer: Trainer, path: Path, saved: Mapping[str, object], lost: Sequence[int] = ()
 ) -> None:
-    """Per-rank state from a checkpoint of another world size: the data positions of all old
+    """Per-rank state from a checkpoint of another world size or mesh: the data positions of all old
     ranks (replayed for ``lost`` ones) are re-split among the new ones (every document still
     trained once), ZeRO-1 and the schedule were loaded by ``load_checkpoint`` (a ZeRO-1 shard
     in per-rank files is read here), the error-feedback residuals are dropped (with a warning),

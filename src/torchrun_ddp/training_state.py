@@ -104,6 +104,7 @@ def save(trainer: Trainer) -> Path:
     meta["data_since"] = trainer.data_since
     meta["segment"] = trainer.segment
     meta.update(trainer.method.checkpoint_meta(in_files))
+    meta.update(trainer.parallel.checkpoint_meta())
     config = trainer.config
     with collective_timeout(config.timeout_s, then=train_timeout_s(config)):
         path = save_checkpoint(

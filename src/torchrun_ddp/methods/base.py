@@ -36,6 +36,7 @@ from torchrun_ddp.plan.settings import Footprint
 
 if TYPE_CHECKING:
     from torchrun_ddp.distributed import NodeGroups
+    from torchrun_ddp.parallel.base import DataParallel
 
 FP32 = 4
 """Bytes of one fp32 value."""
@@ -119,6 +120,7 @@ class Method:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
+        self.mode: DataParallel | None = None
         self._optimizer: Optimizer | None = None
 
     @classmethod
@@ -157,10 +159,17 @@ class Method:
         FSDP then shards on the shard dimension alone. False by default (FSDP's all-reduce)."""
         return False
 
-    def build(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
+    def build(
+        self,
+        model: torch.nn.Module,
+        compression: CompressionState,
+        mode: DataParallel | None = None,
+    ) -> Optimizer:
         """Build and keep this rank's optimizer over ``model``'s trained parameters, counting any
-        exchange's wire bytes in ``compression``. Collective where the optimizer makes a process
-        group."""
+        exchange's wire bytes in ``compression``; ``mode``: the run's data-parallel mode (kept as
+        ``self.mode``: a method that exchanges asks it for a group of its own). Collective where
+        the optimizer makes a process group."""
+        self.mode = mode
         self._optimizer = self.build_optimizer(model, compression)
         return self._optimizer
 

@@ -63,11 +63,14 @@ class ExchangingMethod(Method):
         return state
 
     def exchange_group(self, compression: CompressionState) -> dist.ProcessGroup | None:
-        """A process group of its own (all ranks; collective: every rank builds it) for a flat
-        exchange that stays in flight across steps (--overlap-exchange), so that the loop's own
-        collectives (the log step's all-reduce, evaluation) do not queue behind it on the same
-        connections; None (the compression state's group) otherwise. Node-aware exchanges
-        already cross the uplinks in their own inter-node group."""
+        """A process group of its own for a flat exchange that stays in flight across steps
+        (--overlap-exchange), so that the loop's own collectives (the log step's all-reduce,
+        evaluation, FSDP's) do not queue behind it on the same connections: the mode's
+        (``DataParallel.new_exchange_group``: every rank, or under hsdp this rank's replicas;
+        collective), else None (the compression state's group). Node-aware exchanges already
+        cross the uplinks in their own inter-node group."""
         if not self.config.overlap_exchange or compression.node_groups is not None:
             return None
-        return dist.new_group() if dist.is_initialized() else None
+        if not dist.is_initialized():
+            return None
+        return self.mode.new_exchange_group() if self.mode is not None else dist.new_group()

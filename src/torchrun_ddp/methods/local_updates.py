@@ -31,6 +31,7 @@ from torchrun_ddp.optim import (
     outer_sgd,
     validate_local_updates,
 )
+from torchrun_ddp.parallel.shards import reshard_rows
 from torchrun_ddp.plan.communication import (
     CommEstimate,
     Topology,
@@ -133,14 +134,18 @@ class LocalUpdatesMethod(ExchangingMethod):
     def load_resharded(
         self, model: torch.nn.Module, path: Path, saved: Mapping[str, object], rank: int
     ) -> None:
-        """Under hsdp the inner state is shard-shaped: refused at another world size."""
-        if self._sharded:
-            raise UserError(
-                f"{path} was saved by {saved['world_size']} ranks; --optimizer {self.name} under "
-                "--data-parallel hsdp resumes at the saved world size only; start with "
-                "that many ranks"
-            )
-        self._load_resharded(path, saved, rank)
+        """Each new replica (a rank under ddp) takes an old one's inner state, re-split to its
+        shard under hsdp (``_load_resharded``); the rest restarts (``RankState
+        .load_resharded``), with a warning."""
+        old_ranks, states = self._old_replica(path, saved, rank)
+        merged = self._resharded(states, rank) if self._sharded else states[0]
+        dropped = RankState(self.local_updates).load_resharded(merged)
+        log.warning(
+            "local updates at another world size: inner optimizer state of old rank(s) %s",
+            ", ".join(map(str, old_ranks)),
+        )
+        for line in dropped:
+            log.warning("local updates at another world size: dropped %s", line)
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
@@ -225,17 +230,45 @@ class LocalUpdatesMethod(ExchangingMethod):
         """The inner optimizer's state exists nowhere else."""
         return f"the {self.name} inner optimizer state cannot be rebuilt"
 
-    def _load_resharded(self, path: Path, saved: Mapping[str, object], rank: int) -> None:
-        """New rank ``r`` takes old rank ``r mod W_old``'s inner AdamW state; what cannot carry
-        over is dropped with a warning (``optim.RankState.load_resharded``)."""
-        old_rank = rank % int(cast("int", saved["world_size"]))
-        saved = load_rank_states(path, "optimizer", [old_rank])[0]
-        dropped = RankState(self.local_updates).load_resharded(cast("Mapping[str, object]", saved))
-        log.warning(
-            "local updates at another world size: inner AdamW state of old rank %d", old_rank
-        )
-        for line in dropped:
-            log.warning("local updates at another world size: dropped %s", line)
+    def _old_replica(
+        self, path: Path, saved: Mapping[str, object], rank: int
+    ) -> tuple[list[int], list[Mapping[str, object]]]:
+        """The old ranks whose inner state this rank continues, and their per-rank states: under
+        ddp old rank ``r mod W_old``; sharded, every rank of old replica ``j mod R_old`` (``j``
+        this rank's replica; the meshes from the mode and the checkpoint's ``mesh``). Raises
+        UserError for a sharded checkpoint that does not record its mesh."""
+        world = int(cast("int", saved["world_size"]))
+        old_ranks = [rank % world]
+        if self._sharded:
+            mesh = saved.get("mesh")
+            if not isinstance(mesh, list) or self.mode is None:
+                raise UserError(
+                    f"{path} does not record the mesh it was saved on; --optimizer {self.name} "
+                    f"under --data-parallel hsdp resumes it at its world size ({world}) only"
+                )
+            replicas, shards = (int(size) for size in mesh)
+            first = rank // self.mode.shape.shard % replicas * shards
+            old_ranks = list(range(first, first + shards))
+        states = load_rank_states(path, "optimizer", old_ranks)
+        return old_ranks, [cast("Mapping[str, object]", state) for state in states]
+
+    def _resharded(self, states: list[Mapping[str, object]], rank: int) -> Mapping[str, object]:
+        """One replica's per-rank states (its shards, in rank order) as this rank's: each inner
+        state tensor joined along dim 0 and cut to this rank's shard
+        (``parallel.shards.reshard_rows``); the rest as the first rank's."""
+        assert self.mode is not None
+        shards, index = self.mode.shape.shard, rank % self.mode.shape.shard
+        inners = [cast("Mapping[str, Mapping[str, object]]", s["inner"]) for s in states]
+        joined: dict[str, dict[str, object]] = {}
+        for key, values in cast("Mapping[str, Mapping[str, object]]", inners[0]["state"]).items():
+            pieces = [cast("Mapping[str, object]", inner["state"][key]) for inner in inners]
+            joined[key] = {
+                name: reshard_rows([cast(torch.Tensor, p[name]) for p in pieces], shards, index)
+                if isinstance(value, torch.Tensor)
+                else value
+                for name, value in values.items()
+            }
+        return {**states[0], "inner": {**inners[0], "state": joined}}
 
     def describe(self) -> str:
         """One line, e.g. ``sparseloco H=15 k=64/4096 2-bit beta 0.95 lr 1``

@@ -25,9 +25,10 @@ resumed run stays bit-exact.
 
 Resume at the same world size is bit-exact anywhere in a window. At another world size the synced
 parameters, the outer momentum and the position carry over exactly; each new rank ``r`` takes old
-rank ``r mod W_old``'s inner AdamW state; the local progress since the last sync is dropped (every
-rank restarts from the synced parameters, an outer update still pending included) and the error
-feedback is reset, each with a warning.
+rank ``r mod W_old``'s inner AdamW state (on a sharded model, each new replica an old replica's,
+re-split to the new shards: ``methods.local_updates``); the local progress since the last sync
+is dropped (every rank restarts from the synced parameters, an outer update still pending
+included) and the error feedback is reset, each with a warning.
 """
 
 from __future__ import annotations

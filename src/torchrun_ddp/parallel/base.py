@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from torchrun_ddp.checkpoint import StorageLayout
@@ -104,6 +105,11 @@ class DataParallel:
         --shard-degree gives it): each subclass. The plan calls it with the planned cluster."""
         raise NotImplementedError
 
+    def new_exchange_group(self) -> dist.ProcessGroup:
+        """Collective (every rank): a new process group over the ranks a method's own exchange
+        runs between, for an exchange left in flight across steps: every rank by default."""
+        return dist.new_group()
+
     def replica_groups(self) -> list[list[int]] | None:
         """The ranks that hold the same shared state, whose copies must be equal after a
         resume: None when every rank does (ddp), else one group per shard."""
@@ -171,6 +177,11 @@ class DataParallel:
     def identity(self) -> dict[str, object]:
         """The keys a checkpoint must match to be resumed by this mode."""
         return {"data_parallel": self.name}
+
+    def checkpoint_meta(self) -> dict[str, object]:
+        """What a checkpoint records of the mesh it was saved on (``mesh``: [replicate,
+        shard]), for a resume on another mesh to re-split per-rank shards."""
+        return {"mesh": [self.shape.replicate, self.shape.shard]}
 
     def describe(self) -> str:
         """The mode for log lines, e.g. ``hsdp on a mesh of 2 x 4 ranks (replicate x shard)``."""

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from torchrun_ddp.compression import ShardedExchange
 from torchrun_ddp.errors import UserError
@@ -286,11 +287,13 @@ class HSDP(FSDP):
 
     @classmethod
     def check_exchanging_method(cls, method: str, config: TrainConfig) -> None:
-        """Each replica is a worker; an overlapped exchange is not wired here yet."""
-        if config.overlap_exchange:
-            raise UserError(
-                f"--overlap-exchange is not supported under --data-parallel {cls.name} yet; drop it"
-            )
+        """Each replica is a worker of the method's exchange: nothing to refuse."""
+
+    def new_exchange_group(self) -> dist.ProcessGroup:
+        """Collective: a new group over this rank's replicas (the ranks holding its shards, one
+        per replicate group), every rank building every replicate group's."""
+        group, _ = dist.new_subgroups_by_enumeration(self.replica_groups())
+        return group
 
     @classmethod
     def check_comm_hook(cls, config: TrainConfig) -> None:

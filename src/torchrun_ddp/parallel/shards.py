@@ -34,3 +34,17 @@ def laid_out_like(tensor: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor
         tensor, parameter.device_mesh, parameter.placements, run_check=False,
         shape=parameter.shape, stride=parameter.stride(),
     )  # fmt: skip
+
+
+def reshard_rows(pieces: list[torch.Tensor], shards: int, index: int) -> torch.Tensor:
+    """Shard ``index`` of ``shards`` of the tensor whose dim-0 shards ``pieces`` are, in rank
+    order, as FSDP2 splits a parameter (``torch.chunk`` along dim 0, ranks past the last chunk
+    holding none of its rows): the pieces joined and cut again. A tensor of no dimension (a
+    step count) is the first piece's."""
+    if pieces[0].dim() == 0:
+        return pieces[0]
+    whole = torch.cat(pieces, dim=0)
+    chunks = torch.chunk(whole, shards, dim=0)
+    if index < len(chunks):
+        return chunks[index].clone()
+    return whole.new_empty((0, *whole.shape[1:]))
