@@ -29,6 +29,7 @@ from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import (
     LoraSettings,
     apply_lora,
+    hidden_matrices,
     load_model_config,
     trainable_parameter_sizes,
 )
@@ -53,12 +54,13 @@ from torchrun_ddp.plan.communication import (
     predicted_step_seconds,
     state_bytes,
 )
-from torchrun_ddp.plan.memory import zero_shard
-from torchrun_ddp.plan.settings import GIB, PlanSettings
+from torchrun_ddp.plan.memory import PlanRequest, zero_shard
+from torchrun_ddp.plan.settings import GIB, Footprint, PlanSettings
 from torchrun_ddp.planning import (
     comparison_table,
     plan_memory,
     plan_run,
+    planned_mode,
     suggestions,
     trained_shapes,
 )
@@ -84,6 +86,21 @@ def test_meta_llama2_7b_has_exact_parameter_count_and_no_storage(config: LlamaCo
     assert parameter_count(model) == N
     assert all(p.is_meta for p in model.parameters())
     assert parameter_sizes(model) == architecture(config).parameter_sizes()
+
+
+def test_hidden_matrices_are_the_layers_linear_weights(config: LlamaConfig) -> None:
+    """What an optimizer treating the hidden matrices apart steps (Muon): the 7 linear weights
+    of each of the 32 layers, not the embedding, the head or the norms; a footprint of 1 moment
+    on those and 2 on the rest holds that many moments in the plan."""
+    matrices = L * (4 * H * H + 3 * H * FF)
+    assert sum(p.numel() for p in hidden_matrices(meta_model(config))) == matrices
+    assert N - matrices == 2 * V * H + (2 * L + 1) * H
+    footprint = Footprint(moments=2.0, matrix_moments=1.0)
+    plan = plan_memory(config, N, ONE_GPU)
+    request = PlanRequest(architecture(config), N, ONE_GPU, footprint)
+    muon = planned_mode(ONE_GPU).plan_memory(request)
+    assert muon.optimizer_state == 4 * (matrices + 2 * (N - matrices))
+    assert muon.optimizer_state == plan.optimizer_state - 4 * matrices
 
 
 def test_fp32_one_gpu_equals_hand_arithmetic(config: LlamaConfig) -> None:

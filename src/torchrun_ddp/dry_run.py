@@ -38,6 +38,7 @@ from torchrun_ddp.planning import (
     plan_run,
     plan_sizes,
     run_mode,
+    trained_matrix_shapes,
     trained_shapes,
 )
 
@@ -88,7 +89,8 @@ def dry_run(
         lines.append(local_update_memory_table(extra, method))
     shapes = trained_shapes(config, model_config)
     lines.append(communication_plan(config, env, shapes, plan.flops_per_token, method))
-    lines.append(checkpoint_plan(config, plan, shapes, method))
+    matrices = trained_matrix_shapes(config, model_config)
+    lines.append(checkpoint_plan(config, plan, (shapes, matrices), method))
     return "\n".join(lines)
 
 
@@ -142,17 +144,22 @@ def duration(seconds: float) -> str:
 
 
 def checkpoint_plan(
-    config: TrainConfig, plan: MemoryPlan, shapes: list[tuple[int, ...]], method: Method
+    config: TrainConfig,
+    plan: MemoryPlan,
+    layout: tuple[list[tuple[int, ...]], list[tuple[int, ...]]],
+    method: Method,
 ) -> str:
     """``plan.checkpoint``'s table for this run's world size and --plan-gpus-per-node, with the
-    ``method``'s optimizer state."""
+    ``method``'s optimizer state; ``layout``: the shapes of the trained parameters and of
+    those among them that are hidden-layer matrices (``planning.trained_matrix_shapes``)."""
+    shapes, matrices = layout
     world = plan.settings.world_size
     per_node = min(config.plan_gpus_per_node, world)
     trained = sum(math.prod(shape) for shape in shapes)
     hook, _ = state_bytes(compression_settings(config), [trained], world, 0)  # 0: no hook
     weight = PRECISION_DTYPES[config.precision].itemsize  # saved moments: the weights' dtype
     sizes = dataclasses.replace(
-        plan_sizes(config, shapes, plan.parameters, world), weight_bytes=weight
+        plan_sizes(config, shapes, plan.parameters, world, matrices), weight_bytes=weight
     )
     optimizer = method.checkpoint_bytes(sizes)
     replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+import torch
 from transformers import PretrainedConfig
 
 from torchrun_ddp.compression import compression_settings
@@ -22,6 +23,7 @@ from torchrun_ddp.methods import MemoryRow, Method, PlanSizes, method_class, met
 from torchrun_ddp.model import (
     PRECISION_DTYPES,
     apply_lora,
+    hidden_matrices,
     lora_settings,
     uses_fused_loss,
 )
@@ -320,14 +322,20 @@ def plan_run(
 
 
 def plan_sizes(
-    config: TrainConfig, shapes: list[tuple[int, ...]], parameters: int, world_size: int
+    config: TrainConfig,
+    shapes: list[tuple[int, ...]],
+    parameters: int,
+    world_size: int,
+    matrices: Sequence[tuple[int, ...]] = (),
 ) -> PlanSizes:
     """The sizes a method's plan rows come from: the trained parameters of ``shapes`` (LoRA
-    adapters stay fp32), ``parameters`` in the model, ``world_size`` ranks."""
+    adapters stay fp32), of which ``matrices`` are the hidden layers' matrices
+    (``trained_matrix_shapes``), ``parameters`` in the model, ``world_size`` ranks."""
     lora = config.peft != "none"
     dtype = PRECISION_DTYPES["fp32" if lora else config.precision]
     trained = sum(math.prod(shape) for shape in shapes)
-    return PlanSizes(trained, parameters, dtype.itemsize, world_size, tuple(shapes))
+    hidden = sum(math.prod(shape) for shape in matrices)
+    return PlanSizes(trained, parameters, dtype.itemsize, world_size, tuple(shapes), hidden)
 
 
 def local_update_memory(
@@ -340,13 +348,27 @@ def local_update_memory(
     sync (in the optimizer step, with the gradients alive) from above."""
     mode = run_mode(config, world_size)
     shapes = mode.shard_shapes(trained_shapes(config, model_config))
-    return method.memory_rows(plan_sizes(config, shapes, 0, world_size))
+    matrices = mode.shard_shapes(trained_matrix_shapes(config, model_config))
+    return method.memory_rows(plan_sizes(config, shapes, 0, world_size, matrices))
 
 
 def trained_shapes(config: TrainConfig, model_config: PretrainedConfig) -> list[tuple[int, ...]]:
     """Shapes of the parameters that train, on the meta device: what DDP buckets and DeMo tiles
     (only the adapters under --peft lora)."""
-    model = meta_model(model_config)
-    if config.peft == "lora":
-        model = apply_lora(model, lora_settings(config))
+    model = _trained_meta_model(config, model_config)
     return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+
+
+def trained_matrix_shapes(
+    config: TrainConfig, model_config: PretrainedConfig
+) -> list[tuple[int, ...]]:
+    """Shapes of the trained hidden-layer matrices (``model.hidden_matrices``), on the meta
+    device: what an optimizer that treats them apart (Muon) steps."""
+    model = _trained_meta_model(config, model_config)
+    return [tuple(p.shape) for p in hidden_matrices(model)]
+
+
+def _trained_meta_model(config: TrainConfig, model_config: PretrainedConfig) -> torch.nn.Module:
+    """The model on the meta device, with its adapters under --peft lora."""
+    model = meta_model(model_config)
+    return apply_lora(model, lora_settings(config)) if config.peft == "lora" else model

@@ -65,13 +65,15 @@ class CheckpointBytes:
 class PlanSizes:
     """The sizes a method's plan rows are computed from: ``trained`` parameters (elements; the
     adapters under LoRA), ``parameters`` in the model, ``weight_bytes`` per value of the weights'
-    dtype, ``world_size`` ranks, and the trained parameters' ``shapes``."""
+    dtype, ``world_size`` ranks, the trained parameters' ``shapes``, and ``matrices``: the trained
+    elements in the hidden layers' matrices (``model.hidden_matrices``)."""
 
     trained: int
     parameters: int
     weight_bytes: int
     world_size: int
     shapes: tuple[tuple[int, ...], ...]
+    matrices: int = 0
 
 
 Owners = Mapping[str, tuple[str, tuple[str, ...]]]

@@ -350,9 +350,10 @@ class LocalUpdatesMethod(ExchangingMethod):
         raise NotImplementedError
 
     def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
-        """Replicated: the synced fp32 copy. Per rank: the inner moments and, inside a window,
-        the local parameters (the largest case)."""
-        moments = 2 * sizes.weight_bytes * sizes.trained
+        """Replicated: the synced fp32 copy. Per rank: the inner optimizer's state (``footprint``)
+        and, inside a window, the local parameters (the largest case)."""
+        share = sizes.matrices / sizes.trained if sizes.trained else 0.0
+        moments = round(self.footprint().state_bytes(sizes.weight_bytes, share) * sizes.trained)
         own = moments + sizes.weight_bytes * sizes.trained
         return CheckpointBytes(FP32 * sizes.trained, own)
 

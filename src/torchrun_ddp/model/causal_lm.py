@@ -161,6 +161,19 @@ def trainable_parameter_sizes(model: torch.nn.Module) -> list[int]:
     return [p.numel() for p in model.parameters() if p.requires_grad]
 
 
+def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trained 2-D parameters other than the input embedding and the output head, in module
+    order: the hidden layers' matrices (every adapter under LoRA), which torch.optim.Muon's
+    documentation keeps for Muon (the rest for AdamW). Found by identity, so a tied head and
+    FSDP2's DTensor parameters count as what they are; works on the meta device."""
+    ends = [getattr(model, name, lambda: None)() for name in ("get_input_embeddings",
+            "get_output_embeddings")]  # fmt: skip
+    excluded = {id(module.weight) for module in ends if module is not None}
+    return [
+        p for p in model.parameters() if p.requires_grad and p.dim() == 2 and id(p) not in excluded
+    ]
+
+
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Recompute every decoder layer's activations during backward instead of keeping them.
 

@@ -216,6 +216,13 @@ def unpack(request: PlanRequest) -> tuple[Architecture, int, PlanSettings, Footp
     return request.arch, request.parameters, request.settings, request.footprint
 
 
+def matrix_share(arch: Architecture, parameters: int) -> float:
+    """The share of a fully trained model's ``parameters`` in its hidden layers' matrices
+    (``Architecture.layer_linear_parameters``; ``model.hidden_matrices`` finds the same on a
+    LLaMA), for an optimizer that treats those apart (``Footprint.matrix_moments``)."""
+    return min(1.0, arch.layers * arch.layer_linear_parameters() / max(parameters, 1))
+
+
 def check_positions(arch: Architecture, settings: PlanSettings) -> None:
     """Raise UserError when ``settings.seq_length`` exceeds the model's positions."""
     if arch.max_positions and settings.seq_length > arch.max_positions:
@@ -276,13 +283,14 @@ def replicated_plan(request: PlanRequest) -> MemoryPlan:
     activations = activation_estimate(arch, settings)
     copies_forward, copies_backward = autocast_copy_bytes(arch, settings)
     sizes = parameter_sizes or arch.parameter_sizes()
+    state = footprint.state_bytes(size.moment, matrix_share(arch, parameters))
     plan = MemoryPlan(
         settings=settings,
         parameters=parameters,
         weights=parameters * size.weight,
         gradients=gradients,
         ddp_buckets=0 if settings.gradient_as_bucket_view else gradients,
-        optimizer_state=round(footprint.state_bytes(size.moment) * shard),
+        optimizer_state=round(state * shard),
         optimizer_step_temporaries=footprint.step_bytes(
             settings.fused_adamw, size.moment * shard, sizes
         ),
@@ -329,7 +337,7 @@ def lora_plan(request: PlanRequest) -> MemoryPlan:
         weights=parameters * base_bytes + 4 * trainable,
         gradients=4 * trainable,
         ddp_buckets=0 if settings.gradient_as_bucket_view else 4 * trainable,
-        optimizer_state=round(footprint.state_bytes(4) * shard),
+        optimizer_state=round(footprint.state_bytes(4, 1.0) * shard),  # adapters: matrices
         optimizer_step_temporaries=footprint.step_bytes(
             settings.fused_adamw, 4 * shard, settings.adapter_sizes
         ),
@@ -376,13 +384,14 @@ def sharded_plan(request: PlanRequest, shards: int, layout: str) -> MemoryPlan:
     saved = "bf16" if settings.precision == "bf16-mixed" else settings.precision
     activations = activation_estimate(arch, settings, saved)
     weights = f"weights (a 1/{shards} shard)" if shards > 1 else "weights"
+    state = footprint.state_bytes(size.moment, matrix_share(arch, parameters))
     plan = MemoryPlan(
         settings=settings,
         parameters=parameters,
         weights=shard * size.weight,
         gradients=shard * size.grad + unsharded,
         ddp_buckets=0,
-        optimizer_state=round(footprint.state_bytes(size.moment) * shard),
+        optimizer_state=round(state * shard),
         optimizer_step_temporaries=footprint.step_bytes(
             settings.fused_adamw, size.moment * shard, [shard]
         ),
@@ -431,7 +440,7 @@ def sharded_lora_plan(request: PlanRequest, shards: int, layout: str) -> MemoryP
         weights=math.ceil(parameters / shards) * base_bytes + 4 * trained,
         gradients=4 * trained + unsharded,
         ddp_buckets=0,
-        optimizer_state=round(footprint.state_bytes(4) * trained),
+        optimizer_state=round(footprint.state_bytes(4, 1.0) * trained),  # adapters: matrices
         optimizer_step_temporaries=footprint.step_bytes(fused, 4 * trained, [trained]),
         autocast_weight_copies=0,
         activations=activations.saved + activations.loss_backward,

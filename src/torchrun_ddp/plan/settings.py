@@ -91,7 +91,9 @@ class PlanSettings:
 @dataclass(frozen=True)
 class Footprint:
     """What an optimizer holds per trained parameter and allocates in its step, for the plan:
-    ``moments`` values of the moment dtype (the weights' dtype: AdamW 2, Muon 1), plus
+    ``moments`` values of the moment dtype (the weights' dtype: AdamW 2, Muon 1), or
+    ``matrix_moments`` on the hidden layers' matrices where an optimizer treats those apart
+    (Muon on them and AdamW on the rest: 1 and 2; ``model.hidden_matrices``), plus
     ``fp32_state`` bytes (DeMo's fp32 momentum: 4, with no moments); its step allocates
     ``step_copies`` fp32 copies of the largest parameter (DeMo works one parameter at a time),
     or else torch's foreach kernel one moment-sized buffer (``foreach_buffer``; none when
@@ -99,6 +101,7 @@ class Footprint:
     name its rows; ``zero1``: whether ZeRO-1 can shard the state."""
 
     moments: float = 2.0
+    matrix_moments: float | None = None
     fp32_state: int = 0
     step_copies: int = 0
     foreach_buffer: bool = True
@@ -107,9 +110,12 @@ class Footprint:
     step: str = "AdamW"
     zero1: bool = True
 
-    def state_bytes(self, moment_bytes: int) -> float:
-        """Optimizer state bytes per trained parameter, moments of ``moment_bytes`` each."""
-        return self.moments * moment_bytes + self.fp32_state
+    def state_bytes(self, moment_bytes: int, matrix_share: float = 0.0) -> float:
+        """Optimizer state bytes per trained parameter, moments of ``moment_bytes`` each, when
+        ``matrix_share`` of the trained parameters (0 to 1) are hidden-layer matrices."""
+        matrix = self.moments if self.matrix_moments is None else self.matrix_moments
+        moments = matrix * matrix_share + self.moments * (1.0 - matrix_share)
+        return moments * moment_bytes + self.fp32_state
 
     def step_bytes(self, fused: bool, moment_bytes: int, sizes: Sequence[int]) -> int:
         """Bytes its step allocates: ``step_copies`` fp32 copies of the largest of ``sizes``,
