@@ -32,6 +32,7 @@ from torchrun_ddp.methods.base import (
 )
 from torchrun_ddp.methods.demo import DeMoMethod
 from torchrun_ddp.methods.diloco import DiLoCoMethod
+from torchrun_ddp.methods.muloco import MuLoCoMethod
 from torchrun_ddp.methods.sparseloco import SparseLoCoMethod
 
 METHODS: dict[str, type[Method]] = {
@@ -39,6 +40,7 @@ METHODS: dict[str, type[Method]] = {
     DeMoMethod.name: DeMoMethod,
     DiLoCoMethod.name: DiLoCoMethod,
     SparseLoCoMethod.name: SparseLoCoMethod,
+    MuLoCoMethod.name: MuLoCoMethod,
 }
 """``--optimizer`` value -> its method class."""
 
