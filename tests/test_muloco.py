@@ -19,13 +19,19 @@ from distributed_harness import (
 )
 from tiny_models import comm_bytes, digest, train_in_group
 from torch.optim import AdamW, Muon
+from torch.optim._muon import _zeropower_via_newtonschulz
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from torchrun_ddp.compression import sparseloco_payload_bytes, wire_bytes
 from torchrun_ddp.compression.replicas import local_shard
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.methods.muloco import MUON_LR_ADJUSTMENT, muloco_inner_optimizer
+from torchrun_ddp.methods.muloco import (
+    MUON_LR_ADJUSTMENT,
+    DeviceMuon,
+    muloco_inner_optimizer,
+    newton_schulz,
+)
 from torchrun_ddp.model import hidden_matrices
 
 STEPS, STOP = 6, 4
@@ -49,8 +55,8 @@ def _backward(model: torch.nn.Module, seed: int) -> None:
 
 def test_the_inner_optimizer_is_muon_on_the_matrices_and_adamw_on_the_rest() -> None:
     """Muon holds exactly the hidden matrices (not the embedding, head or norms), AdamW the
-    rest; stepping the one optimizer equals stepping torch's Muon and AdamW side by side, bit
-    for bit, and its state_dict resumes a copy that then steps identically."""
+    rest; stepping the one optimizer equals stepping its Muon and torch's AdamW side by side,
+    bit for bit, and its state_dict resumes a copy that then steps identically."""
     model, twin = _model(), _model()
     inner = muloco_inner_optimizer(model, 1e-3, 0.1, "for-loop")
     muon, adamw = inner.parts
@@ -62,7 +68,7 @@ def test_the_inner_optimizer_is_muon_on_the_matrices_and_adamw_on_the_rest() -> 
     twin_matrices = hidden_matrices(twin)
     chosen = {id(p) for p in twin_matrices}
     reference = (
-        Muon(twin_matrices, lr=1e-3, weight_decay=0.1, adjust_lr_fn=MUON_LR_ADJUSTMENT),
+        DeviceMuon(twin_matrices, lr=1e-3, weight_decay=0.1, adjust_lr_fn=MUON_LR_ADJUSTMENT),
         AdamW(
             [
                 {"params": [p for p in twin.parameters() if id(p) not in chosen and p.dim() == 2],
@@ -86,6 +92,32 @@ def test_the_inner_optimizer_is_muon_on_the_matrices_and_adamw_on_the_rest() -> 
         optimizer.step()
     assert digest(dict(model.named_parameters())) == digest(dict(resumed_model.named_parameters()))
     assert len(inner.state_dict()["state"]) == len(list(model.parameters()))
+
+
+def test_device_muon_is_torchs_muon_with_fp32_iterates_on_a_cpu() -> None:
+    """In bf16 the Newton-Schulz iteration is torch's, bit for bit; on a CPU ``DeviceMuon``
+    iterates in fp32, and its step is torch.optim.Muon's to bf16 precision (3 steps, a tall and
+    a wide matrix, each adjust_lr_fn): the same momentum, scale and weight decay."""
+    generator = torch.Generator().manual_seed(0)
+    coefficients = (3.4445, -4.7750, 2.0315)
+    for shape in ((48, 20), (20, 48)):
+        grad = torch.randn(shape, generator=generator)
+        torchs = _zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7)
+        assert torch.equal(newton_schulz(grad, coefficients, 5, 1e-7, torch.bfloat16), torchs)
+    for adjust in ("original", "match_rms_adamw", "spectral_unclamped"):
+        for shape in ((48, 20), (20, 48)):
+            start = torch.randn(shape, generator=generator)
+            ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+            pair = [DeviceMuon([ours], lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust),
+                    Muon([theirs], lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust)]  # fmt: skip
+            for _ in range(3):
+                grad = torch.randn(shape, generator=generator)
+                for param, optimizer in zip((ours, theirs), pair, strict=True):
+                    param.grad = grad.clone()
+                    optimizer.step()
+            moved = (theirs - start).abs().max()
+            gap = (ours - theirs).abs().max()
+            assert 0 < gap < 0.02 * moved, (adjust, shape, gap, moved)  # bf16 rounding only
 
 
 def test_the_plan_keeps_one_moment_on_the_matrices(

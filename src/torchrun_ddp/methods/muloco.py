@@ -2,7 +2,8 @@
 Rish & Belilovsky 2025, "MuLoCo: Muon is a practical inner optimizer for DiLoCo",
 arXiv:2505.23725).
 
-Each rank steps ``torch.optim.Muon`` on the hidden layers' matrices (``model.hidden_matrices``:
+Each rank steps Muon (torch.optim.Muon, its Newton-Schulz iterates in fp32 on a CPU:
+``DeviceMuon``) on the hidden layers' matrices (``model.hidden_matrices``:
 every 2-D trained weight but the embedding and the head) and AdamW on the rest, as torch's Muon
 documentation prescribes; Muon's learning rate is scaled to match AdamW's update RMS
 (``adjust_lr_fn="match_rms_adamw"``, Liu et al. 2025, arXiv:2502.16982), so that
@@ -39,8 +40,81 @@ MUON_LR_ADJUSTMENT = "match_rms_adamw"
 and weight decay carry over (torch.optim.Muon's ``adjust_lr_fn``)."""
 
 
+def newton_schulz(
+    matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The quintic Newton-Schulz iteration of torch.optim.Muon (Jordan et al. 2024, "Muon: An
+    optimizer for hidden layers in neural networks"), computed in ``dtype``: ``matrix`` [A, B]
+    scaled to norm 1, then ``steps`` times ``X <- a X + (b G + c G^2) X`` with ``G = X X^T``
+    (on the transpose when A > B). Returns the near-orthogonal [A, B] in ``dtype``; in bf16 it
+    is torch's result bit for bit."""
+    ortho = matrix.to(dtype=dtype, copy=True)
+    tall = matrix.size(0) > matrix.size(1)
+    ortho = ortho.T if tall else ortho
+    ortho.div_(ortho.norm().clamp(min=eps))
+    a, b, c = coefficients
+    for _ in range(steps):
+        gram = ortho @ ortho.T
+        ortho = torch.addmm(ortho, torch.addmm(gram, gram, gram, beta=b, alpha=c), ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+class DeviceMuon(Muon):
+    """``torch.optim.Muon`` with its Newton-Schulz iterates in the device's matmul dtype: bf16
+    where the device multiplies bf16 natively (CUDA: torch's Muon exactly), fp32 elsewhere (a
+    CPU without bf16 instructions emulates bf16 matmuls: 20x slower than fp32 on this project's
+    AVX2 CI machine, which made a 1,050-step llama-8m run 5 hours). The same groups, state
+    (``momentum_buffer``, the parameter's shape and dtype) and update as torch's otherwise."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Muon step per group (torch's ``_single_tensor_muon``, ``newton_schulz`` in the
+        device's dtype); returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            buffers: list[torch.Tensor] = []
+            self._init_group(group, params, grads, buffers)
+            for param, grad, buffer in zip(params, grads, buffers, strict=True):
+                self._update(group, param, grad, buffer)
+        return loss
+
+    def _update(
+        self, group: Mapping[str, object], param: torch.Tensor, grad: torch.Tensor,
+        buffer: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Momentum, Newton-Schulz, decoupled weight decay and the scaled step of one matrix."""
+        lr, decay = float(group["lr"]), float(group["weight_decay"])  # type: ignore[arg-type]
+        momentum = float(group["momentum"])  # type: ignore[arg-type]
+        buffer.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+        dtype = torch.bfloat16 if param.device.type == "cuda" else torch.float32
+        coefficients = group["ns_coefficients"]
+        steps, eps = int(group["ns_steps"]), float(group["eps"])  # type: ignore[arg-type]
+        update = newton_schulz(update, coefficients, steps, eps, dtype)  # type: ignore[arg-type]
+        param.mul_(1 - lr * decay)
+        param.add_(update, alpha=-lr * lr_ratio(str(group["adjust_lr_fn"]), param.shape))
+
+
+def lr_ratio(adjust_lr_fn: str, shape: torch.Size) -> float:
+    """torch.optim.Muon's learning-rate scale of an [A, B] matrix for ``adjust_lr_fn``:
+    ``original`` (or None) sqrt(max(1, A / B)), ``match_rms_adamw`` 0.2 sqrt(max(A, B)),
+    ``spectral_unclamped`` sqrt(A / B)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn == "spectral_unclamped":
+        return math.sqrt(rows / cols)
+    return math.sqrt(max(1, rows / cols))
+
+
 class MuonAdamW(Optimizer):
-    """``torch.optim.Muon`` over the hidden matrices and ``torch.optim.AdamW`` over the other
+    """Muon (``DeviceMuon``) over the hidden matrices and ``torch.optim.AdamW`` over the other
     parameters, as one optimizer: one list of parameter groups (Muon's first, the same dicts the
     two hold, so a learning-rate schedule sets both), one ``state`` (Muon's ``momentum_buffer``
     [rows, cols] in the parameter's dtype; AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step``),
@@ -86,8 +160,8 @@ def muloco_inner_optimizer(
     matrices = hidden_matrices(model)
     chosen = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
-    muon = Muon(matrices, lr=learning_rate, weight_decay=weight_decay,
-                adjust_lr_fn=MUON_LR_ADJUSTMENT)  # fmt: skip
+    muon = DeviceMuon(matrices, lr=learning_rate, weight_decay=weight_decay,
+                      adjust_lr_fn=MUON_LR_ADJUSTMENT)  # fmt: skip
     groups = _adamw_groups(rest, weight_decay) or [{"params": [], "weight_decay": 0.0}]
     adamw = AdamW(groups, lr=learning_rate, **adamw_options(implementation))
     return MuonAdamW(muon, adamw)
