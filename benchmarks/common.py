@@ -143,11 +143,15 @@ def _demo(k: int) -> Variant:
 
 
 def _local(method: str, steps: int, values: str = "float32", topk: int = 64) -> Variant:
-    """DiLoCo or SparseLoCo (``--optimizer diloco|sparseloco``) syncing every ``steps`` steps at
-    the papers' defaults (DiLoCo: outer Nesterov SGD lr 0.7, momentum 0.9, pseudo-gradient in
-    ``values``; SparseLoCo: ``topk`` (64) of 64 x 64 chunks, 2-bit values, error feedback 0.95,
-    outer lr 1; the name gets ``-k<topk>`` for another k)."""
+    """DiLoCo, SparseLoCo or MuLoCo (``--optimizer diloco|sparseloco|muloco``) syncing every
+    ``steps`` steps at the papers' defaults (DiLoCo: outer Nesterov SGD lr 0.7, momentum 0.9,
+    pseudo-gradient in ``values``; SparseLoCo: ``topk`` (64) of 64 x 64 chunks, 2-bit values,
+    error feedback 0.95, outer lr 1, the name getting ``-k<topk>`` for another k; MuLoCo: Muon
+    inner, SparseLoCo's exchange at its defaults, DiLoCo's outer step)."""
     flags = ("--optimizer", method, "--local-steps", str(steps))
+    if method == "muloco":
+        label = f"MuLoCo H {steps}, Muon inner, k 64/4096, 2-bit"
+        return Variant(f"muloco-h{steps}", label, flags, "all_gather", period=steps)
     if method == "sparseloco":
         name, label = f"sparseloco-h{steps}", f"SparseLoCo H {steps}, k {topk}/4096, 2-bit"
         if topk != 64:
@@ -161,7 +165,7 @@ def _local(method: str, steps: int, values: str = "float32", topk: int = 64) -> 
     return Variant(name, label, flags, period=steps)
 
 
-OPTIMIZERS = ("demo", "diloco", "sparseloco")
+OPTIMIZERS = ("demo", "diloco", "sparseloco", "muloco")
 """The ``--optimizer`` values other than ``adamw`` a variant may name."""
 
 
@@ -180,7 +184,7 @@ def hook_flags(variant: Variant, flag: str, value: str, hooks: tuple[str, ...]) 
 
 
 def optimizer_of(variant: Variant) -> str:
-    """``adamw``, ``demo``, ``diloco`` or ``sparseloco``: the ``--optimizer`` of a variant."""
+    """``adamw`` or one of ``OPTIMIZERS``: the ``--optimizer`` of a variant."""
     named = [flag for flag in variant.flags if flag in OPTIMIZERS]
     return named[0] if named else "adamw"
 
@@ -228,6 +232,7 @@ def all_variants(block: int = 64) -> dict[str, Variant]:
         *(_local("diloco", steps) for steps in (25, 50, 125)),
         _local("diloco", 125, "bfloat16"),
         *(_local("sparseloco", steps) for steps in (25, 50, 125)),
+        *(_local("muloco", steps) for steps in (30, 50)),
         _node_aware(_local("sparseloco", 25)),
         _overlapped(_local("diloco", 50)),
         _overlapped(_local("sparseloco", 25)),

@@ -553,7 +553,7 @@ def check_targets(points: list[Point]) -> list[str]:
     """One line per frontier point the issues set a target for."""
     lines = []
     for point in points:
-        if optimizer_of(point.setting.variant) in ("diloco", "sparseloco"):
+        if optimizer_of(point.setting.variant) in ("diloco", "sparseloco", "muloco"):
             lines.append(local_target(point))
             continue
         if math.isnan(point.change[0]) or point.setting.variant.name == "none":
@@ -654,6 +654,7 @@ MARKERS = {
     "demo": ("s", "tab:red", "DeMo"),
     "diloco": ("^", "tab:green", "DiLoCo"),
     "sparseloco": ("v", "tab:purple", "SparseLoCo"),
+    "muloco": ("D", "tab:orange", "MuLoCo"),
 }
 """Marker, colour and legend label per optimizer in the PNG."""
 
