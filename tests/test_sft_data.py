@@ -14,11 +14,16 @@ from datasets import Dataset
 from distributed_harness import run_distributed
 from tiny_models import tiny_llama_config
 from torch.nn.parallel import DistributedDataParallel
-from transformers import ByT5Tokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import (
+    AutoTokenizer,
+    ByT5Tokenizer,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+)
 
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import forward_backward
-from torchrun_ddp.model import causal_lm_inputs
+from torchrun_ddp.model import causal_lm_inputs, export_final_model
 from torchrun_ddp.training_data import (
     IGNORE_INDEX,
     ExampleFormat,
@@ -252,6 +257,28 @@ def test_a_file_of_another_format_is_told_the_data_format_that_reads_it(tmp_path
         f"--eval-files {chat} holds messages records, but --data-format auto took alpaca from "
         f"--data-files {alpaca} line 1; pass files of one format"
     )
+
+
+def test_final_model_keeps_the_chat_template_that_rendered_training(
+    tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """The bundled template (this tokenizer has none) saved with final_model's tokenizer:
+    ``apply_chat_template`` there renders the text training tokenised; the tokenizer handed in
+    keeps no template, and None saves none."""
+    fmt = _messages_format(tokenizer)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer)))
+    saved = export_final_model(model, tokenizer, tmp_path / "a", False, None, fmt.chat_template)
+    reloaded = AutoTokenizer.from_pretrained(saved)
+    rendered = reloaded.apply_chat_template(CHAT["messages"], tokenize=False)
+    ids, _ = example_tokens(tokenizer, check_record(CHAT, fmt)[0], fmt)
+    assert rendered == tokenizer.apply_chat_template(
+        CHAT["messages"], chat_template=fmt.chat_template, tokenize=False
+    )
+    assert rendered.startswith("<s><|system|>\nAnswer briefly.\n")
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert not tokenizer.chat_template
+    plain = export_final_model(model, tokenizer, tmp_path / "b", False, None, None)
+    assert not AutoTokenizer.from_pretrained(plain).chat_template
 
 
 def test_parquet_arrow_and_saved_folders_read_like_json_lines(tmp_path: Path) -> None:
