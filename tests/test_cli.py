@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import subprocess
 import sys
@@ -238,6 +240,93 @@ def test_dry_run_checks_the_inputs_a_start_checks(
     err = _error_line(capsys, [*_tiny_args(sample_data, tmp_path), *flags, "--dry-run"])
     assert message in err.replace(str(tmp_path) + "/", "")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
+
+
+def _sft_args(tmp_path: Path, *extra: str) -> list[str]:
+    """configs/sft_tiny.toml (bundled ARC-Easy chat examples, --data-format auto, 100
+    multiple-choice questions) under --dry-run, its output in ``tmp_path``."""
+    config = str(REPO / "configs" / "sft_tiny.toml")
+    return ["--config", config, "--output-dir", str(tmp_path / "out"), "--dry-run", *extra]
+
+
+def test_dry_run_of_the_sft_config_reads_its_data_as_a_start_does(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The chat data is checked in its own format (detected, rendered with the chat template)
+    and its tokens counted as training packs them, not refused as text records."""
+    from torchrun_ddp.inputs import example_format  # noqa: PLC0415
+    from torchrun_ddp.training_data import count_tokens, load_tokenizer  # noqa: PLC0415
+
+    assert train.main(_sft_args(tmp_path)) == 0
+    out = capsys.readouterr().out
+    config = parse_config(_sft_args(tmp_path))
+    tokenizer = load_tokenizer(config.tokenizer)
+    fmt = example_format(config, tokenizer)
+    assert fmt.name == "messages" and fmt.chat_template
+    files = sorted(str(path) for path in (REPO / "data" / "sft").glob("*train*.messages*"))
+    tokens = count_tokens(files, tokenizer, 10**12, fmt)
+    assert tokens and f"epochs of the training data's {tokens:,} tokens" in out
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ({"query": "Q?", "choices": ["a", "b"], "gold": 2}, "line 2 has 'gold' 2, not an index"),
+        ({"query": "Q?", "choices": ["a"], "gold": 0}, "line 2 has no list of two or more"),
+    ],
+)
+def test_dry_run_refuses_a_malformed_multiple_choice_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: dict, message: str
+) -> None:
+    good = {"query": "Q?", "choices": ["a", "b"], "gold": 0}
+    questions = tmp_path / "mc.jsonl"
+    questions.write_text(json.dumps(good) + "\n" + json.dumps(content) + "\n")
+    err = _error_line(capsys, _sft_args(tmp_path, "--eval-multiple-choice", str(questions)))
+    assert err.startswith(f"error: --eval-multiple-choice {questions} {message}"), err
+
+
+def test_dry_run_tells_a_prompt_completion_file_its_data_format(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    pairs = tmp_path / "pc.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": "Q?", "completion": " A"}) + "\n" for _ in "ab"))
+    argv = _sft_args(tmp_path, "--data-format", "messages", "--eval-files", str(pairs))
+    err = _error_line(capsys, argv)
+    assert err == (
+        f"error: --eval-files {pairs} holds prompt-completion records, not messages: pass "
+        "--data-format prompt-completion or auto"
+    )
+
+
+@pytest.mark.parametrize("flag", ["--data-files", "--eval-files"])
+@pytest.mark.parametrize("dry_run", [True, False])
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("bad.parquet", b"PAR1 no Parquet" * 8, "cannot be read as Parquet (ArrowInvalid: "),
+        ("bad.arrow", b"no Arrow" * 8, "cannot be read as Arrow (ArrowInvalid: "),
+        ("bad.json.gz", b"\x1f\x8b\x08\x00garbage", "line 1 cannot be read ("),
+        ("empty.json.gz", gzip.compress(b"", mtime=0), "holds no records"),
+        ("bytes.jsonl", b"\xff\xfe\x00", "line 1 cannot be read as UTF-8"),
+    ],
+)
+def test_a_corrupt_data_file_is_one_line_naming_it_at_a_start_and_a_dry_run(
+    capsys: pytest.CaptureFixture[str],
+    sample_data: Path,
+    tmp_path: Path,
+    flag: str,
+    dry_run: bool,
+    name: str,
+    content: bytes,
+    message: str,
+) -> None:
+    """One line, status 2, naming the file (and the line where there is one): no pyarrow
+    traceback, before any process group."""
+    (tmp_path / name).write_bytes(content)
+    argv = [*_tiny_args(sample_data, tmp_path), flag, str(tmp_path / name)]
+    err = _error_line(capsys, [*argv, "--dry-run"] if dry_run else argv)
+    assert err.startswith(f"error: {flag} {tmp_path / name} {message}"), err
+    assert not dist.is_initialized()
 
 
 def test_dry_run_prints_steps_tokens_epochs_and_time(

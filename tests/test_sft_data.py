@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,16 @@ from datasets import Dataset
 from distributed_harness import run_distributed
 from tiny_models import tiny_llama_config
 from torch.nn.parallel import DistributedDataParallel
-from transformers import ByT5Tokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import (
+    AutoTokenizer,
+    ByT5Tokenizer,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+)
 
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.main import forward_backward
-from torchrun_ddp.model import causal_lm_inputs
+from torchrun_ddp.model import causal_lm_inputs, export_final_model
 from torchrun_ddp.training_data import (
     IGNORE_INDEX,
     ExampleFormat,
@@ -33,6 +39,7 @@ from torchrun_ddp.training_data import (
     open_documents,
     read_records,
     reshard_positions,
+    resolve_files,
 )
 
 CHAT = {
@@ -97,6 +104,8 @@ def test_prompt_completion_trains_on_the_completion(tokenizer: PreTrainedTokeniz
     [
         (CHAT, "messages"),
         ({"prompt": "a", "completion": "b"}, "prompt-completion"),
+        ({"instruction": "a", "input": "", "output": "b"}, "alpaca"),
+        ({"conversations": [{"from": "human", "value": "a"}]}, "sharegpt"),
         ({"text": "a"}, "text"),
     ],
 )
@@ -107,15 +116,22 @@ def test_the_format_is_detected_from_a_record(record: dict, expected: str) -> No
 @pytest.mark.parametrize(
     ("record", "fix"),
     [
-        ({"instruction": "a", "input": "", "output": "b"}, "rename output to 'completion'"),
-        ({"conversations": [{"from": "human", "value": "a"}]}, "rename them to 'messages'"),
+        (
+            {"prompt": "a", "response": "b"},
+            "prompt/response records: rename 'response' to 'completion'",
+        ),
+        ({"prompt": "a", "answer": "b"}, "'prompt' without 'completion': name the answer"),
         ({"chosen": [], "rejected": []}, "for DPO"),
         ({"body": "a"}, "--text-field"),
     ],
 )
 def test_peer_layouts_are_refused_with_the_fix(record: dict, fix: str) -> None:
-    with pytest.raises(UserError, match=fix):
-        data_format(ExampleFormat("auto"), record, "--data-files")
+    """Each layout is named with its own fix; only a record with none of the known fields is
+    pointed at --text-field."""
+    with pytest.raises(UserError, match=fix) as info:
+        data_format(ExampleFormat("auto"), record, "--data-files f.jsonl line 1")
+    assert str(info.value).startswith("--data-files f.jsonl line 1 ")
+    assert ("--text-field" in str(info.value)) == ("body" in record)
 
 
 def _write_jsonl(path: Path, lines: list[str]) -> Path:
@@ -133,6 +149,136 @@ def test_damaged_messages_records_are_named_by_file_and_line(tmp_path: Path) -> 
     assert errors[0].startswith(f"{file} line 2 is not JSON")
     assert errors[1] == f"{file} line 3 has no assistant turn to train on"
     assert [record["text"] is not None for record in records] == [True, False, False, True]
+
+
+def _turns(messages: list[dict], role: str = "role", content: str = "content") -> list[dict]:
+    return [{role: m["role"], content: m["content"]} for m in messages]
+
+
+def test_alpaca_records_are_read_as_prompt_completion_in_alpacas_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """Stanford Alpaca's two prompts (with and without an input), the output as the completion
+    and the only text trained on; a record without its strings is damaged, named."""
+    fmt = ExampleFormat("alpaca")
+    head = (
+        "Below is an instruction that describes a task{}. Write a response that appropriately "
+        "completes the request.\n\n### Instruction:\nAdd 2 and 3.\n\n"
+    )
+    with_input = {"instruction": "Add 2 and 3.", "input": "Show the sum.", "output": "5"}
+    example, error = check_record(with_input, fmt)
+    assert error is None
+    assert json.loads(example) == {
+        "prompt": head.format(", paired with an input that provides further context")
+        + "### Input:\nShow the sum.\n\n### Response:\n",
+        "completion": "5",
+    }
+    for given in ({"input": ""}, {}):
+        record = {"instruction": "Add 2 and 3.", "output": "5", **given}
+        example, _ = check_record(record, fmt)
+        assert json.loads(example)["prompt"] == head.format("") + "### Response:\n"
+    ids, labels = example_tokens(tokenizer, example, fmt)
+    assert ids[0] == tokenizer.bos_token_id and _trained_text(tokenizer, ids, labels) == "5</s>"
+    assert check_record({"instruction": "a", "output": 5}, fmt) == (
+        None, "has no 'instruction' and 'output' strings"
+    )  # fmt: skip
+
+
+def test_sharegpt_records_are_read_as_the_same_messages(tokenizer: PreTrainedTokenizerBase) -> None:
+    """from human/gpt/system and value are the messages' user/assistant/system and content:
+    the same example string, so the same tokens and labels; an unknown speaker is named."""
+    roles = {"system": "system", "user": "human", "assistant": "gpt"}
+    turns = [{"from": roles[m["role"]], "value": m["content"]} for m in CHAT["messages"]]
+    fmt = _messages_format(tokenizer)
+    example, error = check_record({"conversations": turns}, replace(fmt, name="sharegpt"))
+    assert error is None and example == check_record(CHAT, fmt)[0]
+    assert fmt.renders_chat and replace(fmt, name="sharegpt").renders_chat
+    bad = {"conversations": [*turns[:2], {"from": "bot", "value": "x"}]}
+    _, error = check_record(bad, ExampleFormat("sharegpt"))
+    assert error == "has conversations[2] with 'from' 'bot', not one of human, user, gpt, " + (
+        "assistant, system"
+    )
+
+
+def test_content_given_as_text_parts_is_read_as_their_joined_text() -> None:
+    """OpenAI's and transformers' list of content parts: its text parts joined by newlines,
+    the same example as the joined string; a part that is not text is named."""
+    fmt = ExampleFormat("messages")
+    parts = _turns(CHAT["messages"])
+    parts[1]["content"] = [{"type": "text", "text": "Which gas"}, {"type": "text", "text": "?"}]
+    joined = _turns(CHAT["messages"])
+    joined[1]["content"] = "Which gas\n?"
+    assert check_record({"messages": parts}, fmt) == check_record({"messages": joined}, fmt)
+    parts[1]["content"].append({"type": "image_url", "image_url": {"url": "x"}})
+    _, error = check_record({"messages": parts}, fmt)
+    assert error.startswith("has messages[1] with a content part of type 'image_url': only text")
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        ({"messages": []}, "has an empty 'messages' list"),
+        ({"messages": "hi"}, "has no 'messages' list"),
+        ({"text": "hi"}, "has no 'messages' list"),
+        ({"messages": [{"role": "bot", "content": "x"}]},
+         "has messages[0] with 'role' 'bot', not one of system, user, assistant"),
+        ({"messages": [{"role": "user"}]},
+         "has messages[0] without a 'content' string or list of text parts"),
+        ({"messages": ["hi"]}, "has messages[0] that is not an object with 'role' and 'content'"),
+        (["a", "list"], "is not a JSON object (a record of named fields)"),
+    ],
+)  # fmt: skip
+def test_a_damaged_conversation_is_named_by_what_it_shows(record: object, error: str) -> None:
+    assert check_record(record, ExampleFormat("messages")) == (None, error)
+
+
+def test_a_file_of_another_format_is_told_the_data_format_that_reads_it(tmp_path: Path) -> None:
+    """Under --data-format messages a prompt/completion file is named with the fix, not told to
+    repair itself; under auto, a held-out file of another format than the training data is told
+    where the format came from; an Alpaca or ShareGPT file is detected and read."""
+    pairs = [json.dumps({"prompt": f"Q{i}?", "completion": f" A{i}"}) for i in range(3)]
+    pc = str(_write_jsonl(tmp_path / "pc.jsonl.gz", pairs))
+    with pytest.raises(UserError) as info:
+        resolve_files([pc], "--data-files", 0, ExampleFormat("messages"))
+    assert str(info.value) == (
+        f"--data-files {pc} holds prompt-completion records, not messages: pass --data-format "
+        "prompt-completion or auto"
+    )
+    said = [json.dumps({"instruction": f"Say {i}.", "output": str(i)}) for i in range(3)]
+    alpaca = _write_jsonl(tmp_path / "alpaca.jsonl.gz", said)
+    chat = _write_jsonl(tmp_path / "chat.jsonl.gz", [json.dumps({"messages": CHAT["messages"]})])
+    record, where = first_record([str(alpaca)], "--data-files")
+    detected = data_format(ExampleFormat("auto"), record, where)
+    assert (detected.name, detected.detected_from) == ("alpaca", f"--data-files {alpaca} line 1")
+    assert resolve_files([str(alpaca)], "--data-files", 0, detected) == [str(alpaca)]
+    with pytest.raises(UserError) as info:
+        resolve_files([str(chat)], "--eval-files", 0, detected)
+    assert str(info.value) == (
+        f"--eval-files {chat} holds messages records, but --data-format auto took alpaca from "
+        f"--data-files {alpaca} line 1; pass files of one format"
+    )
+
+
+def test_final_model_keeps_the_chat_template_that_rendered_training(
+    tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """The bundled template (this tokenizer has none) saved with final_model's tokenizer:
+    ``apply_chat_template`` there renders the text training tokenised; the tokenizer handed in
+    keeps no template, and None saves none."""
+    fmt = _messages_format(tokenizer)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer)))
+    saved = export_final_model(model, tokenizer, tmp_path / "a", False, None, fmt.chat_template)
+    reloaded = AutoTokenizer.from_pretrained(saved)
+    rendered = reloaded.apply_chat_template(CHAT["messages"], tokenize=False)
+    ids, _ = example_tokens(tokenizer, check_record(CHAT, fmt)[0], fmt)
+    assert rendered == tokenizer.apply_chat_template(
+        CHAT["messages"], chat_template=fmt.chat_template, tokenize=False
+    )
+    assert rendered.startswith("<s><|system|>\nAnswer briefly.\n")
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert not tokenizer.chat_template
+    plain = export_final_model(model, tokenizer, tmp_path / "b", False, None, None)
+    assert not AutoTokenizer.from_pretrained(plain).chat_template
 
 
 def test_parquet_arrow_and_saved_folders_read_like_json_lines(tmp_path: Path) -> None:
@@ -287,9 +433,9 @@ def test_a_json_array_file_reads_like_json_lines(tmp_path: Path) -> None:
     fmt = ExampleFormat("prompt-completion")
     expected = [record["text"] for record in read_records([str(lines)], fmt)]
     for source in (array, packed):
-        assert data_format(ExampleFormat("auto"), first_record([str(source)], "x"), "x").name == (
-            "prompt-completion"
-        )
+        record, where = first_record([str(source)], "x")
+        assert where == f"x {source} element 0"
+        assert data_format(ExampleFormat("auto"), record, where).name == "prompt-completion"
         records = list(read_records([str(source)], fmt))
         assert [record["text"] for record in records] == expected
         assert records[2]["error"] == f"{source} element 2 has no 'prompt' and 'completion' strings"

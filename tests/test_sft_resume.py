@@ -25,7 +25,7 @@ from distributed_harness import (
     tiny_args,
 )
 from tiny_models import digest, train_in_group
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from torchrun_ddp.choice_scoring import choice_loglikelihoods, picks
 from torchrun_ddp.training_data import (
@@ -148,6 +148,24 @@ def test_the_ranks_mc_accuracy_is_the_exported_models(
             right.update(sum=by_sum == question.gold, char=by_char == question.gold)
     assert record["mc_accuracy"] == pytest.approx(right["sum"] / MC_QUESTIONS)
     assert record["mc_accuracy_per_char"] == pytest.approx(right["char"] / MC_QUESTIONS)
+
+
+@pytest.mark.slow
+def test_final_model_renders_a_conversation_as_training_did(
+    runs: tuple[dict, dict, Path], sample_data: Path
+) -> None:
+    """The tokenizer has no chat template, so training rendered with the bundled one; the
+    exported tokenizer carries it, and ``apply_chat_template`` renders the same text."""
+    _, _, root = runs
+    tokenizer = load_tokenizer(str(sample_data / "tokenizer" / "mistral-7b-v0.1"))
+    train = next((sample_data / "sft").glob("*train*.messages.jsonl.gz"))
+    with gzip.open(train, "rt") as handle:
+        messages = json.loads(handle.readline())["messages"]
+    template = load_chat_template("", tokenizer)
+    assert template and not tokenizer.chat_template
+    trained = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    saved = AutoTokenizer.from_pretrained(root / "straight" / "final_model")
+    assert saved.apply_chat_template(messages, tokenize=False) == trained
 
 
 SEQ, BATCH, BLOCK = 128, 2, 16

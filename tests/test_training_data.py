@@ -14,15 +14,18 @@ import time
 from pathlib import Path
 
 import pytest
+from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.training_data import (
+    ExampleFormat,
     PackedWindows,
     build_loader,
     load_tokenizer,
     open_documents,
     own_process_group,
+    read_questions,
     resolve_files,
     shard_for_rank,
 )
@@ -174,20 +177,66 @@ GOOD_LINES = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range
         ("empty.json.gz", _gzip_bytes(""), "holds no records"),
         ("csv.json", b"a,b\n1,2\n", "line 1 is not JSON"),
         ("notext.json", b'{"text": "ok"}\n{"body": "x"}\n', "line 2 has no 'text' string"),
-        ("list.json", b'["text"]\n', "element 0 has no 'text' string"),  # one JSON array
-        ("lists.json", b'["text"]\n["more"]\n', "line 1 has no 'text' string"),  # JSON lines
+        ("list.json", b'["text"]\n', "element 0 is not a JSON object"),  # one JSON array
+        ("lists.json", b'["text"]\n["more"]\n', "line 1 is not a JSON object"),  # JSON lines
         ("binary.json", b"\xff\xfe\x00bad", "cannot be read"),
     ],
 )
+@pytest.mark.parametrize("data_format", ["text", "auto"])
 def test_bad_data_files_are_one_line_errors_naming_the_file(
-    tmp_path: Path, name: str, content: bytes, message: str
+    tmp_path: Path, name: str, content: bytes, message: str, data_format: str
 ) -> None:
+    """As text, and under auto (a held-out file whose format is its own: --dry-run's check of
+    --eval-files without --data-files)."""
     (tmp_path / name).write_bytes(content)
     with pytest.raises(UserError) as info:
-        resolve_files([str(tmp_path / name)], "--eval-files")
+        resolve_files([str(tmp_path / name)], "--eval-files", 0, ExampleFormat(data_format))
     text = str(info.value)
     assert text.startswith(f"--eval-files {tmp_path / name} ") and message in text, text
     assert "\n" not in text
+
+
+def _damaged_table(tmp_path: Path, kind: str) -> Path:
+    """A Parquet file, an Arrow file or a save_to_disk folder that cannot be read."""
+    rows = Dataset.from_list([{"text": f"document {i}"} for i in range(100)])
+    rows.save_to_disk(str(tmp_path / "saved"))
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    if kind == "parquet":
+        path = tmp_path / "bad.parquet"
+        path.write_bytes(b"PAR1 this is no Parquet file" * 8)
+    elif kind == "arrow":  # its schema readable, its batches cut off
+        path = tmp_path / "cut.arrow"
+        path.write_bytes(arrow.read_bytes()[:300])
+    else:
+        path = tmp_path / "saved"
+        arrow.write_bytes(b"garbage" * 20)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("parquet", "cannot be read as Parquet (ArrowInvalid: "),
+        ("arrow", "cannot be read as Arrow (ArrowInvalid: "),
+        ("saved", "cannot be read as a save_to_disk folder (ArrowInvalid: "),
+    ],
+)
+def test_a_table_that_cannot_be_read_is_one_line_naming_it(
+    tmp_path: Path, kind: str, message: str
+) -> None:
+    """As training data, as held-out data of the training data's format or of its own, and as
+    multiple-choice questions: one UserError line naming the file and pyarrow's reason, no
+    pyarrow exception."""
+    path = str(_damaged_table(tmp_path, kind))
+    cases = [("--data-files", "text"), ("--eval-files", "auto")]
+    for flag, data_format in cases:
+        with pytest.raises(UserError) as info:
+            resolve_files([path], flag, 100, ExampleFormat(data_format))
+        assert str(info.value).startswith(f"{flag} {path} {message}"), str(info.value)
+        assert "\n" not in str(info.value)
+    with pytest.raises(UserError) as info:
+        read_questions(path, None)
+    assert str(info.value).startswith(f"--eval-multiple-choice {path} {message}")
 
 
 def _data_worker(ready: multiprocessing.synchronize.Event) -> None:

@@ -56,6 +56,7 @@ from torchrun_ddp.plan import (
     parameter_count,
 )
 from torchrun_ddp.training_data import (
+    ExampleFormat,
     MultipleChoiceQuestion,
     PackedWindows,
     build_train_loader,
@@ -227,6 +228,9 @@ class Trainer:
     metrics: MetricsLogger
     window: LogWindow
     tokenizer: PreTrainedTokenizerBase
+    chat_template: str | None = None
+    """The chat template that rendered the training conversations (messages, sharegpt) where it
+    is not the tokenizer's own, kept in final_model; None: the tokenizer's own, or none used."""
     run_id: str = ""
     """The run's identity, stamped in checkpoints and metrics.jsonl."""
     step: int = 0
@@ -245,6 +249,13 @@ class Trainer:
     """The step since which the world size (and so each rank's share of the document order) has
     not changed; 0 lets a lost rank's data position be replayed from the start (None: unknown,
     a checkpoint from before it was recorded)."""
+
+
+def final_chat_template(fmt: ExampleFormat) -> str | None:
+    """The template ``final_model`` keeps: the one that rendered a conversational format's
+    examples (``--chat-template`` or the bundled one; None where the tokenizer's own did, or
+    where no conversation was rendered)."""
+    return fmt.chat_template if fmt.renders_chat else None
 
 
 def build_trainer(
@@ -299,6 +310,7 @@ def build_trainer(
         ),
         window=LogWindow(device, tokens, flops, peak * env.world_size if peak else math.inf),
         tokenizer=inputs.tokenizer,
+        chat_template=final_chat_template(inputs.example_format),
         run_id=run_id,
         storage=storage,
         questions=inputs.questions[env.rank :: env.world_size],

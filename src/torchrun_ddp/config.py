@@ -105,14 +105,16 @@ class TrainConfig:
         "Example format of the data: text (documents under --text-field, packed back to back, "
         "every token trained), prompt-completion ({prompt, completion}: loss on the completion), "
         "messages ({messages: [{role, content}]}, rendered with the chat template: loss on the "
-        "assistant turns); auto: detected from the first record. See docs/data.md.",
-        choices=["auto", "text", "prompt-completion", "messages"],
+        "assistant turns), alpaca ({instruction, input, output}: read as prompt-completion in "
+        "Stanford Alpaca's prompt), sharegpt ({conversations: [{from, value}]}: read as "
+        "messages); auto: detected from the first record. See docs/data.md.",
+        choices=["auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt"],
     )
     text_field: str = opt("text", "The text field of text records.")
     chat_template: str = opt(
         "",
-        "messages: a Jinja chat template file; empty: the tokenizer's own, or the bundled "
-        "plain template where the tokenizer has none.",
+        "messages and sharegpt: a Jinja chat template file (final_model keeps it); empty: the "
+        "tokenizer's own, or the bundled plain template where the tokenizer has none.",
     )
     train_on_prompt: bool = opt(
         False,

@@ -64,7 +64,7 @@ def dry_run(
 
     ``model_config``: the model's, else ``plan_model_config``'s. Device memory is
     --device-memory-gib, else the visible GPU's, else 80 GiB. ``data_tokens``: the tokens of one
-    pass over the training data where known (``inputs.check_dry_run_inputs``), for the run length.
+    pass over the training data where known (``inputs.check_inputs``), for the run length.
     ``method``: the run's (``method_for(config)`` when None).
     """
     model_config = model_config or plan_model_config(config)

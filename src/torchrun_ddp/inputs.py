@@ -1,8 +1,10 @@
-"""The inputs of a run, checked before any process group starts (``prepare_inputs``), and the
-same checks for ``--dry-run`` (``check_dry_run_inputs``): the settings, device and node layout,
-the model's config, the memory fit, the tokenizer, data and output paths, an earlier data error,
-enough tokens for one step, the example format of the data and the held-out and multiple-choice
-sets. Every problem is a UserError of one line, raised before any rank waits for another.
+"""The inputs of a run, checked before any process group starts by one function,
+``check_inputs``, that a real start (``prepare_inputs``) and ``--dry-run`` both run: the
+settings, device and node layout, the model's config, the memory fit (a real start only:
+--dry-run prints the plan instead), the tokenizer, data and output paths, an earlier data error,
+the example format of the data with its chat template, every data and held-out file against it,
+the multiple-choice questions and enough tokens for one step. Every problem is a UserError of
+one line, raised before any rank waits for another.
 
 Like build.py, this module composes components (model, training_data, methods, metrics,
 dry_run's fit check); they do not import each other.
@@ -42,9 +44,11 @@ from torchrun_ddp.parallel.modes import mode_for
 from torchrun_ddp.training_data import (
     ExampleFormat,
     MultipleChoiceQuestion,
+    check_record,
     check_tokenizer,
     count_tokens,
     data_format,
+    example_tokens,
     expand_patterns,
     first_record,
     hub_format,
@@ -55,8 +59,6 @@ from torchrun_ddp.training_data import (
     read_questions,
     resolve_files,
 )
-
-log = logging.getLogger("torchrun_ddp")
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -79,34 +81,75 @@ class Inputs:
     """The run's data-parallel mode on its ranks, built once (``check_settings``)."""
 
 
+@dataclass
+class CheckedInputs:
+    """What ``check_inputs`` found, for a real start and --dry-run alike."""
+
+    method: Method
+    """The run's training method, built and checked once."""
+    mode: DataParallel
+    """The run's data-parallel mode on its ranks, built once."""
+    tokenizer: PreTrainedTokenizerBase | None
+    """None only under --dry-run for a hub tokenizer, which it does not download."""
+    example_format: ExampleFormat
+    train_files: list[str]
+    eval_files: list[str]
+    questions: list[MultipleChoiceQuestion]
+    """The --eval-multiple-choice questions, tokenised ([] without a tokenizer)."""
+    data_tokens: int | None
+    """Tokens of the local training files (``check_enough_tokens``), None where not counted."""
+
+
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
-    """Check the model, memory plan, tokenizer, data paths and the method's settings; raises
-    UserError on the first problem."""
+    """A real start's inputs: the model's config, then ``check_inputs`` (the checks --dry-run
+    runs too), the documents opened. Raises UserError on the first problem."""
     model_config = load_model_config(config.model)
-    method, mode = check_settings(config, env, model_config)
-    if config.fused_loss == "liger":
-        check_fused_loss(run_device_type(config), str(model_config.model_type or ""))
-    check_fits(config, model_config, env, method)
-    check_paths(config)
-    check_data_error(config)
-    tokenizer = load_tokenizer(config.tokenizer or config.model)
-    fmt = example_format(config, tokenizer)
-    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records, fmt)
-    eval_files = resolve_files(config.eval_files, "--eval-files", config.max_bad_records, fmt)
-    check_enough_tokens(config, env, tokenizer, train_files, fmt)
+    checked = check_inputs(config, env, model_config)
+    assert checked.tokenizer is not None  # only --dry-run leaves a hub tokenizer unloaded
     warn_long_warmup(config, env)
+    train_files, eval_files, fmt = checked.train_files, checked.eval_files, checked.example_format
     hub = (config.dataset, config.dataset_config)
     fraction = config.eval_fraction if train_files and not eval_files else 0.0
     return Inputs(
         model_config=model_config,
-        tokenizer=tokenizer,
+        tokenizer=checked.tokenizer,
         train_documents=open_documents(train_files, *hub, config.dataset_split, fmt, fraction),
         eval_documents=eval_documents(config, train_files, eval_files, fmt),
         example_format=fmt,
-        questions=multiple_choice_questions(config, tokenizer),
-        method=method,
-        mode=mode,
+        questions=checked.questions,
+        method=checked.method,
+        mode=checked.mode,
     )
+
+
+def check_inputs(
+    config: TrainConfig, env: DistEnv, model_config: PretrainedConfig
+) -> CheckedInputs:
+    """The start-up checks, one function for a real start and --dry-run (``config.dry_run``):
+    the settings (``check_settings``); a real start only, the fused loss on this device and the
+    memory fit (--dry-run reports the plan instead); the output and checkpoint folders, an
+    earlier data error, the tokenizer (under --dry-run only a local one: a hub id is not
+    downloaded), the example format (``example_format``: detected, its chat template loaded
+    and the first example rendered), every --data-files and --eval-files file read against
+    it, the --eval-multiple-choice questions and enough tokens for one step
+    (``check_enough_tokens``). Raises UserError (DataError for a kept data error) on the first
+    problem."""
+    method, mode = check_settings(config, env, model_config)
+    if not config.dry_run:
+        if config.fused_loss == "liger":
+            check_fused_loss(run_device_type(config), str(model_config.model_type or ""))
+        check_fits(config, model_config, env, method)
+    check_paths(config)
+    check_data_error(config)
+    name = config.tokenizer or config.model
+    local = is_local_path(name) or not config.dry_run
+    tokenizer = load_tokenizer(name) if local else None
+    fmt = example_format(config, tokenizer)
+    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records, fmt)
+    eval_files = resolve_files(config.eval_files, "--eval-files", config.max_bad_records, fmt)
+    questions = multiple_choice_questions(config, tokenizer)
+    tokens = check_enough_tokens(config, env, tokenizer, train_files, fmt)
+    return CheckedInputs(method, mode, tokenizer, fmt, train_files, eval_files, questions, tokens)
 
 
 def check_settings(
@@ -133,42 +176,24 @@ def check_settings(
     return method, mode
 
 
-def check_dry_run_inputs(
-    config: TrainConfig, env: DistEnv, model_config: PretrainedConfig
-) -> tuple[int | None, Method]:
-    """--dry-run's share of a real start's checks (``prepare_inputs`` but the memory fit, which
-    the plan reports instead): settings, output and checkpoint folders, an earlier data error,
-    a local tokenizer, the data files. Returns the tokens one pass over the local training
-    files gives (``count_tokens``), or None where they are not counted (hub streaming, files
-    over 64 MiB, or a hub tokenizer, which --dry-run does not download), and the run's
-    method (built once, for the plan). Raises UserError."""
-    method, _ = check_settings(config, env, model_config)
-    check_paths(config)
-    check_data_error(config)
-    name = config.tokenizer or config.model
-    tokenizer = load_tokenizer(name) if is_local_path(name) else None
-    train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
-    resolve_files(config.eval_files, "--eval-files", config.max_bad_records)
-    if tokenizer is None:
-        return None, method
-    return count_tokens(train_files, tokenizer, sys.maxsize), method
-
-
 def multiple_choice_questions(
-    config: TrainConfig, tokenizer: PreTrainedTokenizerBase
+    config: TrainConfig, tokenizer: PreTrainedTokenizerBase | None
 ) -> list[MultipleChoiceQuestion]:
-    """The --eval-multiple-choice questions, tokenised ([] without the flag); raises UserError
-    in one line for a file that cannot be read or a question that is not well formed."""
+    """The --eval-multiple-choice questions, tokenised ([] without the flag, or checked only
+    without a tokenizer); raises UserError in one line for a file that cannot be read or a
+    question that is not well formed."""
     if not config.eval_multiple_choice:
         return []
     return read_questions(config.eval_multiple_choice, tokenizer)
 
 
-def example_format(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> ExampleFormat:
+def example_format(config: TrainConfig, tokenizer: PreTrainedTokenizerBase | None) -> ExampleFormat:
     """The example format of the training data: --data-format, or detected from the first
-    record of --data-files (or of the hub's --dataset-split); the chat template loaded. Raises
-    UserError for data of no known format (with the fix), a missing --chat-template, or a slow
-    tokenizer for prompt-completion or messages (``check_tokenizer``)."""
+    record of --data-files (or of the hub's --dataset-split; not under --dry-run, which streams
+    nothing: the format then stays ``auto`` and each --eval-files file is read as its own);
+    the chat template loaded and the first record rendered with it. Raises UserError for data
+    of no known format (with the fix, naming the file and line), a missing or failing
+    --chat-template, or a slow tokenizer for examples (``check_tokenizer``)."""
     fmt = ExampleFormat(
         name=config.data_format,
         text_field=config.text_field,
@@ -176,15 +201,33 @@ def example_format(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> E
         separate=config.separate_documents,
         packing=config.packing,
     )
+    first: tuple[dict[str, object], str] | None = None
     if config.data_files:
-        files = expand_patterns(config.data_files, "--data-files")
-        fmt = data_format(fmt, first_record(files, "--data-files"), "--data-files")
-    else:
+        first = first_record(expand_patterns(config.data_files, "--data-files"), "--data-files")
+        fmt = data_format(fmt, *first)
+    elif not config.dry_run:
         fmt = hub_format(fmt, config.dataset, config.dataset_config, config.dataset_split)
     if fmt.name == "text":
         return fmt
+    fmt = replace(fmt, chat_template=load_chat_template(config.chat_template, tokenizer))
+    if tokenizer is None or fmt.name == "auto":
+        return fmt
     check_tokenizer(tokenizer, fmt)
-    return replace(fmt, chat_template=load_chat_template(config.chat_template, tokenizer))
+    if first is not None:
+        check_first_example(tokenizer, fmt, first[0])
+    return fmt
+
+
+def check_first_example(
+    tokenizer: PreTrainedTokenizerBase, fmt: ExampleFormat, record: dict[str, object]
+) -> None:
+    """Tokenise the first record as training will (``example_tokens``: the chat template
+    renders a conversation), so that a template that fails, or renders turns that do not add
+    up, stops the start in one line (UserError) rather than the loader; a damaged first record
+    is left to the file check."""
+    example, _ = check_record(record, fmt)
+    if example is not None:
+        example_tokens(tokenizer, example, fmt)
 
 
 def eval_documents(
@@ -205,26 +248,33 @@ def eval_documents(
 def check_enough_tokens(
     config: TrainConfig,
     env: DistEnv,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     files: list[str],
     fmt: ExampleFormat | None = None,
-) -> None:
-    """Raise UserError when the local training ``files`` (over all --epochs) give fewer tokens
-    than one optimizer step takes over all ranks, so a run that could train nothing stops
-    before any process group. Skipped where counting is too costly (``count_tokens``: hub
-    streaming, files over 64 MiB) and where a checkpoint is there to resume (a finished run
+) -> int | None:
+    """The tokens the local training ``files`` give (the held-out slice left out), counted as
+    training packs them: a real start stops at one optimizer step's worth, --dry-run counts
+    them all for its run length. None where they are not counted (no tokenizer, hub
+    streaming, files over 64 MiB: ``count_tokens``; a real start that resumes).
+
+    Raises UserError when they give (over all --epochs) fewer tokens than one optimizer step
+    takes over all ranks (--plan-world-size under --dry-run), so a run that could train nothing
+    stops before any process group; not where a checkpoint is there to resume (a finished run
     restarted has nothing left to train, and that is success)."""
-    if config.resume_from or (config.resume and find_latest(checkpoint_root(config))):
-        return
-    needed = tokens_per_step(config, env)
+    resuming = bool(config.resume_from or (config.resume and find_latest(checkpoint_root(config))))
+    if tokenizer is None or (resuming and not config.dry_run):
+        return None
+    world = (config.plan_world_size if config.dry_run else 0) or env.world_size
+    needed = tokens_per_step(config, replace(env, world_size=world))
     held = config.eval_fraction if not config.eval_files else 0.0
-    found = count_tokens(files, tokenizer, -(-needed // config.epochs), fmt, held)
-    if found is None or found * config.epochs >= needed:
-        return
+    limit = sys.maxsize if config.dry_run else -(-needed // config.epochs)
+    found = count_tokens(files, tokenizer, limit, fmt, held)
+    if found is None or resuming or found * config.epochs >= needed:
+        return found
     epochs = f" x --epochs {config.epochs}" if config.epochs > 1 else ""
     raise UserError(
         f"--data-files give {found} tokens{epochs}, fewer than one optimizer step trains: "
-        f"{needed} (world_size {env.world_size} x --batch-size {config.batch_size} x "
+        f"{needed} (world_size {world} x --batch-size {config.batch_size} x "
         f"--seq-length {config.seq_length} x --accumulation-steps {config.accumulation_steps}); "
         "add documents, raise --epochs, or lower --batch-size or --seq-length"
     )

@@ -47,7 +47,7 @@ from torchrun_ddp.evaluation import evaluate
 from torchrun_ddp.faults import fault_point, perturbation
 from torchrun_ddp.inputs import (
     Inputs,
-    check_dry_run_inputs,
+    check_inputs,
     checkpoint_root,
     prepare_inputs,
     record_data_error,
@@ -72,9 +72,9 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
     setup_logging(env.rank, config.verbose)
     if config.dry_run:
         model_config = plan_model_config(config)
-        data_tokens, method = check_dry_run_inputs(config, env, model_config)  # as a start
+        checked = check_inputs(config, env, model_config)  # a real start's checks
         if env.is_main:
-            print(dry_run(config, env, data_tokens, model_config, method))
+            print(dry_run(config, env, checked.data_tokens, model_config, checked.method))
         return True
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)

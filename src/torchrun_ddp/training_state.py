@@ -123,7 +123,8 @@ def save(trainer: Trainer) -> Path:
 
 def save_final_model(trainer: Trainer) -> None:
     """Rank 0 writes ``<output_dir>/final_model`` (``model.export_final_model``: merged
-    weights under LoRA, safetensors, with the tokenizer); all ranks wait for it. A sharded
+    weights under LoRA, safetensors, with the tokenizer and the chat template that rendered
+    training's conversations); all ranks wait for it. A sharded
     model's weights are first gathered onto rank 0's host (``DataParallel.full_state_dict``,
     collective)."""
     config = trainer.config
@@ -133,5 +134,7 @@ def save_final_model(trainer: Trainer) -> None:
             output, lora = Path(config.output_dir), config.peft == "lora"
             model = trainer.parallel.export_module(trainer.model, weights)
             written = None if lora else weights  # peft writes a LoRA model's own tensors
-            export_final_model(model, trainer.tokenizer, output, lora, state_dict=written)
+            export_final_model(
+                model, trainer.tokenizer, output, lora, written, trainer.chat_template
+            )
         dist.barrier()

@@ -5,6 +5,7 @@ adapter merged into the base weights); also the final export of any run.
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ def export_final_model(
     output: Path,
     lora: bool,
     state_dict: dict[str, torch.Tensor] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write ``output/final_model`` (safetensors + tokenizer) and return it; call on one rank.
 
@@ -106,6 +108,10 @@ def export_final_model(
     then merges it into the base weights (``save_lora_outputs``): ``final_model`` is then a plain
     model that ``AutoModelForCausalLM.from_pretrained`` loads. ``state_dict``: the weights to
     write instead of ``model``'s own (a sharded model's, gathered onto this rank).
+    ``chat_template``: the Jinja text that rendered training's conversations, saved with the
+    tokenizer (its own ``save_pretrained``: ``chat_template.jinja``), so that
+    ``apply_chat_template`` on the saved tokenizer renders as training did; None keeps the
+    tokenizer's own. The tokenizer handed in is not changed (a shallow copy carries it).
     """
     target = output / "final_model"
     if lora:
@@ -113,6 +119,9 @@ def export_final_model(
         log.info("saved the LoRA adapter to %s", output / "adapter")
     else:
         model.save_pretrained(target, safe_serialization=True, state_dict=state_dict)
+    if chat_template is not None:
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(target)
     log.info("saved the final model to %s", target)
     return target

@@ -68,15 +68,20 @@ record further in is skipped when training reaches it: see the module docstring)
 
 def check_data_file(path: str, flag: str, fmt: ExampleFormat | None = None) -> list[str]:
     """The damaged records of ``path`` (``read_records`` errors: file and line), read to the end
-    for files up to ``FULL_CHECK_BYTES``, else up to the first good record.
+    for files up to ``FULL_CHECK_BYTES``, else up to the first good record. An ``auto`` format
+    is the file's own, detected from its first record.
 
-    Raises UserError naming ``path`` if the file holds no readable record before that point (an
-    empty file, a corrupt gzip stream, a file that is not JSON lines of objects with ``text``).
-    """
+    Raises UserError naming ``path`` (and the line or row) if the file holds no readable record
+    of ``fmt`` before that point: an empty file, a corrupt gzip stream, Parquet or Arrow file,
+    a file of another format (named, with the ``--data-format`` that reads it), a layout of no
+    format, or records that are all damaged (the first one's reason)."""
+    fmt = fmt or ExampleFormat()
+    if fmt.name == "auto":
+        fmt = data_format(fmt, *first_record([path], flag))
     full = _size(path) <= FULL_CHECK_BYTES
     damaged: list[str] = []
     good = 0
-    for record in file_records(path, fmt or ExampleFormat()):
+    for record in file_records(path, fmt):
         if record["error"]:
             damaged.append(str(record["error"]))
             continue
@@ -84,9 +89,29 @@ def check_data_file(path: str, flag: str, fmt: ExampleFormat | None = None) -> l
         if not full:
             return damaged
     if good == 0:
-        why = f"{damaged[0]}; replace the file" if damaged else f"{path} holds no records"
-        raise UserError(f"{flag} {why}; records of the format given by --data-format are needed")
+        raise UserError(_no_good_record(path, flag, fmt, damaged))
     return damaged
+
+
+def _no_good_record(path: str, flag: str, fmt: ExampleFormat, damaged: list[str]) -> str:
+    """Why ``path`` holds no record of ``fmt``, in one line with the fix."""
+    if not damaged:
+        return f"{flag} {path} holds no records; pass a file of {fmt.name} records"
+    first = next(((r, w) for r, w in raw_records(path) if isinstance(r, dict)), None)
+    if first is not None:
+        record, where = first
+        found = detect_format(record, fmt.text_field, f"{flag} {path} {where}")
+        if found != fmt.name and fmt.detected_from:
+            return (
+                f"{flag} {path} holds {found} records, but --data-format auto took {fmt.name} "
+                f"from {fmt.detected_from}; pass files of one format"
+            )
+        if found != fmt.name:
+            return (
+                f"{flag} {path} holds {found} records, not {fmt.name}: pass --data-format "
+                f"{found} or auto"
+            )
+    return f"{flag} {damaged[0]}; no record of the file can be read as {fmt.name}: repair it"
 
 
 def _size(path: str) -> int:
@@ -96,22 +121,43 @@ def _size(path: str) -> int:
     return Path(path).stat().st_size
 
 
-def first_record(files: list[str], flag: str) -> dict[str, object]:
-    """The first readable raw record of ``files`` (to detect the format). Raises UserError if
-    none of the first lines of any file is a JSON object, or a file is of an unknown type."""
+def first_record(files: list[str], flag: str) -> tuple[dict[str, object], str]:
+    """The first readable raw record of ``files`` (to detect the format), with where it is
+    (``"<flag> <file> line N"``). Raises UserError naming the first file, the line or row and
+    why it cannot be read (with the fix) if no file holds a JSON object, or for a file of an
+    unknown type."""
+    problem = ""
     for path in files:
-        for record in raw_records(path):
-            if isinstance(record[0], dict):
-                return record[0]
-    raise UserError(f"{flag} holds no readable record; pass JSON lines, Parquet or Arrow files")
+        for record, where in raw_records(path):
+            if isinstance(record, dict):
+                return record, f"{flag} {path} {where}"
+            problem = problem or _unreadable(path, where, record)
+    problem = problem or (
+        f"{files[0]} holds no records; pass JSON lines, Parquet or Arrow files (or save_to_disk "
+        "folders) of records"
+    )
+    others = f" (nor does any of the other {len(files) - 1})" if len(files) > 1 else ""
+    raise UserError(f"{flag} {problem}{others}")
+
+
+def _unreadable(path: str, where: str, record: object) -> str:
+    """Why a raw record that is not a JSON object cannot be detected, with the fix."""
+    if record is None:  # ``where`` says what is damaged
+        return f"{path} {where}; repair or replace the file"
+    return (
+        f"{path} {where} is not a JSON object; pass records of named fields (JSON lines of "
+        "objects, Parquet or Arrow tables)"
+    )
 
 
 def data_format(fmt: ExampleFormat, record: dict[str, object], where: str) -> ExampleFormat:
-    """``fmt`` with its name detected from ``record`` where it is ``auto``; raises UserError for
-    a layout that fits no format (see ``formats.detect_format``)."""
+    """``fmt`` with its name detected from ``record`` (found at ``where``, which the result
+    keeps as ``detected_from``) where it is ``auto``; raises UserError naming ``where`` for a
+    layout that fits no format (see ``formats.detect_format``)."""
     if fmt.name != "auto":
         return fmt
-    return replace(fmt, name=detect_format(record, fmt.text_field, where))
+    name = detect_format(record, fmt.text_field, where)
+    return replace(fmt, name=name, detected_from=where)
 
 
 def count_tokens(

@@ -1,4 +1,4 @@
-"""Training examples in three formats, and one example's token ids and labels.
+"""Training examples in five formats, and one example's token ids and labels.
 
 - ``text``: a document under ``--text-field`` (C4's layout); every token is trained on.
 - ``prompt-completion``: ``{"prompt": str, "completion": str}`` (TRL's prompt-completion
@@ -8,12 +8,25 @@
 - ``messages``: ``{"messages": [{"role", "content"}, ...]}`` (the conversational format of TRL,
   torchtune and axolotl), rendered with the tokenizer's chat template (``apply_chat_template``)
   or a ``--chat-template`` file; the loss is on the assistant turns only (system and user turns,
-  and each assistant header, have labels -100), unless ``--train-on-prompt``.
+  and each assistant header, have labels -100), unless ``--train-on-prompt``. A content given
+  as a list of parts (OpenAI's and transformers' ``[{"type": "text", "text": ...}]``) is its
+  text parts joined by newlines (as vLLM's ``chat_utils`` passes them to a template that takes
+  strings); another part (an image, say) damages the record.
+- ``alpaca``: ``{"instruction", "input", "output"}`` (Stanford Alpaca's layout), read as
+  ``prompt-completion``: the prompt is Stanford Alpaca's template (``PROMPT_DICT`` of its
+  train.py, as axolotl's ``AlpacaPrompter`` writes it, ending ``"### Response:\n"``), with the
+  ``### Input:`` section only where ``input`` is not empty; the completion is ``output``.
+- ``sharegpt``: ``{"conversations": [{"from", "value"}, ...]}`` (ShareGPT's layout, as axolotl
+  and LLaMA-Factory read it), read as ``messages``: ``from`` human (or user) is the user, gpt (or
+  assistant) the assistant, system the system; ``value`` is the content.
 
 A raw record is checked once, where it is read (``check_record``), and kept as one string: the
-text for ``text``, the example as compact JSON for the others. A record that does not fit its
-format (no assistant turn, a role that is not system/user/assistant, a missing field) is a
-damaged record: named by file and line, skipped and counted against ``--max-bad-records``.
+text for ``text``, the example as compact JSON for the others (``{"prompt", "completion"}`` or
+``{"messages"}``, so Alpaca and ShareGPT take the prompt-completion and messages paths from
+there on). A record that does not fit its format (no assistant turn, a role that is not
+system/user/assistant, a missing field) is a damaged record: named by file and line, skipped and
+counted against ``--max-bad-records``; the reason names what the record shows (an empty list,
+the turn and its role, a content part that is not text).
 """
 
 from __future__ import annotations
@@ -28,8 +41,11 @@ from transformers import PreTrainedTokenizerBase
 
 from torchrun_ddp.errors import UserError
 
-FORMATS = ("text", "prompt-completion", "messages")
+FORMATS = ("text", "prompt-completion", "messages", "alpaca", "sharegpt")
 """The example formats ``--data-format`` names (``auto``: detected from the first record)."""
+
+CHAT_FORMATS = ("messages", "sharegpt")
+"""The formats whose examples are conversations rendered by the chat template."""
 
 IGNORE_INDEX = -100
 """The label of a token that is not trained on (``torch.nn.CrossEntropyLoss``'s ignore_index)."""
@@ -39,26 +55,65 @@ ROLES = ("system", "user", "assistant")
 BUNDLED_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 """The chat template used when neither the tokenizer nor ``--chat-template`` has one."""
 
-# Peers' layouts that are not read, with the fix: (keys that identify the layout, the fix).
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+    "system": "system",
+}  # fmt: skip
+"""ShareGPT's ``from`` values as chat roles (axolotl's default roles for ShareGPT data)."""
+
+ALPACA_HEAD = (
+    "Below is an instruction that describes a task{}. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{}\n\n"
+)
+"""Stanford Alpaca's prompt up to its instruction; ``{}``: ``ALPACA_INPUT`` where the record
+has an input (else nothing), then the instruction."""
+
+ALPACA_INPUT = ", paired with an input that provides further context"
+
+# A first record's format: (keys it has, the format), in this order before the text field.
+_DETECTED = (
+    (("messages",), "messages"),
+    (("prompt", "completion"), "prompt-completion"),
+    (("conversations",), "sharegpt"),
+    (("instruction", "output"), "alpaca"),
+)
+
+# Layouts that are not read, with the fix: (keys that identify the layout, the fix).
 _REFUSED = (
-    (("instruction", "output"), "Alpaca's instruction/input/output: join instruction and input "
-     "into 'prompt' and rename output to 'completion'"),
-    (("conversations",), "ShareGPT's conversations (from/value): rename them to 'messages' with "
-     "'role' (system/user/assistant) and 'content'"),
-    (("chosen", "rejected"), "preference pairs (chosen/rejected) are for DPO, not fine-tuning: "
-     "keep the chosen conversation as 'messages'"),
+    (("chosen", "rejected"), "preference pairs (chosen/rejected), which are for DPO, not "
+     "fine-tuning: keep the chosen conversation as 'messages'"),
+    (("prompt", "response"), "prompt/response records: rename 'response' to 'completion' "
+     "(TRL's prompt-completion format), e.g. jq -c '{prompt, completion: .response}'"),
+    (("prompt",), "'prompt' without 'completion': name the answer field 'completion'"),
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a conversation's turns are: the record's list field, each turn's role and content
+    keys, and the role names read (to system/user/assistant)."""
+
+    field: str
+    role: str
+    content: str
+    roles: Mapping[str, str]
+
+
+_MESSAGES = _Layout("messages", "role", "content", {role: role for role in ROLES})
+_SHAREGPT = _Layout("conversations", "from", "value", SHAREGPT_ROLES)
 
 
 @dataclass(frozen=True)
 class ExampleFormat:
     """How records become examples, and examples windows.
 
-    ``name``: one of ``FORMATS``. ``text_field``: the text's field in ``text`` records.
-    ``train_on_prompt``: labels on prompt, system and user tokens too. ``chat_template``: Jinja
-    text used for ``messages`` (None: the tokenizer's own). ``separate``: ``text`` documents are
-    kept apart like examples (always so for the other formats). ``packing``: several examples
-    share a window (False: one example per window, padded).
+    ``name``: one of ``FORMATS`` (``auto`` until detected). ``text_field``: the text's field in
+    ``text`` records. ``train_on_prompt``: labels on prompt, system and user tokens too.
+    ``chat_template``: Jinja text used for conversations (None: the tokenizer's own).
+    ``separate``: ``text`` documents are kept apart like examples (always so for the other
+    formats). ``packing``: several examples share a window (False: one example per window,
+    padded). ``detected_from``: where an ``auto`` format was detected (``"<file> line 1"``);
+    empty for a format given by ``--data-format``.
     """
 
     name: str = "text"
@@ -67,6 +122,7 @@ class ExampleFormat:
     chat_template: str | None = None
     separate: bool = False
     packing: bool = True
+    detected_from: str = ""
 
     @property
     def labelled(self) -> bool:
@@ -74,16 +130,23 @@ class ExampleFormat:
         only ([seq_length], today's packing of ``text`` back to back)."""
         return self.name != "text" or self.separate or not self.packing
 
+    @property
+    def renders_chat(self) -> bool:
+        """Whether the examples are conversations rendered by the chat template (``messages``,
+        ``sharegpt``), whose template ``final_model`` then keeps."""
+        return self.name in CHAT_FORMATS
+
 
 def detect_format(record: Mapping[str, object], text_field: str, where: str) -> str:
-    """The format of a first record (``messages``, ``prompt-completion`` or ``text``).
+    """The format of a first record: ``messages``, ``prompt-completion``, ``sharegpt``
+    (``conversations``), ``alpaca`` (``instruction`` and ``output``), then ``text`` (the text
+    field), in that order.
 
-    Raises UserError naming ``where`` and the fix for a layout that is none of them (Alpaca,
-    ShareGPT, preference pairs, a text field under another name)."""
-    if "messages" in record:
-        return "messages"
-    if "prompt" in record and "completion" in record:
-        return "prompt-completion"
+    Raises UserError naming ``where`` and the fix for a layout that is none of them (preference
+    pairs, prompt/response, a text field under another name)."""
+    for keys, name in _DETECTED:
+        if all(key in record for key in keys):
+            return name
     if text_field in record:
         return "text"
     for keys, fix in _REFUSED:
@@ -91,15 +154,18 @@ def detect_format(record: Mapping[str, object], text_field: str, where: str) -> 
             raise UserError(f"{where} holds {fix}")
     fields = ", ".join(sorted(record)) or "none"
     raise UserError(
-        f"{where} has no '{text_field}', 'prompt'/'completion' or 'messages' field (fields: "
-        f"{fields}); name the text field with --text-field, or convert the records"
+        f"{where} has no '{text_field}', 'prompt'/'completion', 'messages', 'conversations' or "
+        f"'instruction'/'output' field (fields: {fields}); name the text field with "
+        "--text-field, or convert the records"
     )
 
 
 def check_record(record: object, fmt: ExampleFormat) -> tuple[str | None, str | None]:
-    """One raw record as (the example as one string, None), or (None, what is wrong)."""
+    """One raw record as (the example as one string, None), or (None, what is wrong): the text
+    for ``text``, else compact JSON of ``{"prompt", "completion"}`` (prompt-completion, alpaca)
+    or ``{"messages"}`` (messages, sharegpt, conversational prompt-completion)."""
     if not isinstance(record, dict):
-        record = {}
+        return None, "is not a JSON object (a record of named fields)"
     if fmt.name == "text":
         text = record.get(fmt.text_field)
         if not isinstance(text, str):
@@ -107,31 +173,91 @@ def check_record(record: object, fmt: ExampleFormat) -> tuple[str | None, str | 
         return text, None
     if fmt.name == "prompt-completion":
         return _prompt_completion(record)
-    return _conversation(record.get("messages"))
+    if fmt.name == "alpaca":
+        return _alpaca(record)
+    layout = _SHAREGPT if fmt.name == "sharegpt" else _MESSAGES
+    return _conversation(record.get(layout.field), layout)
 
 
 def _prompt_completion(record: Mapping[str, object]) -> tuple[str | None, str | None]:
     prompt, completion = record.get("prompt"), record.get("completion")
     if isinstance(prompt, list) and isinstance(completion, list):
-        return _conversation([*prompt, *completion])
+        return _conversation([*prompt, *completion], _MESSAGES)
     if not isinstance(prompt, str) or not isinstance(completion, str):
         return None, "has no 'prompt' and 'completion' strings"
     return json.dumps({"prompt": prompt, "completion": completion}), None
 
 
-def _conversation(messages: object) -> tuple[str | None, str | None]:
-    if not isinstance(messages, list) or not messages:
-        return None, "has no 'messages' list"
+def _alpaca(record: Mapping[str, object]) -> tuple[str | None, str | None]:
+    """An Alpaca record as prompt-completion (see the module docstring)."""
+    instruction, output = record.get("instruction"), record.get("output")
+    given = record.get("input")
+    if not isinstance(instruction, str) or not isinstance(output, str):
+        return None, "has no 'instruction' and 'output' strings"
+    if given is not None and not isinstance(given, str):
+        return None, "has an 'input' that is not a string"
+    return json.dumps(
+        {"prompt": alpaca_prompt(instruction, given or ""), "completion": output}
+    ), None
+
+
+def alpaca_prompt(instruction: str, given: str) -> str:
+    """Stanford Alpaca's prompt for one record (its ``prompt_input`` where ``given``, the input,
+    is not empty, else ``prompt_no_input``), ending ``"### Response:\n"`` as axolotl's
+    ``AlpacaPrompter`` writes it; the output follows it directly."""
+    if not given:
+        return ALPACA_HEAD.format("", instruction) + "### Response:\n"
+    head = ALPACA_HEAD.format(ALPACA_INPUT, instruction)
+    return f"{head}### Input:\n{given}\n\n### Response:\n"
+
+
+def _conversation(turns: object, layout: _Layout) -> tuple[str | None, str | None]:
+    if not isinstance(turns, list):
+        return None, f"has no '{layout.field}' list"
+    if not turns:
+        return None, f"has an empty '{layout.field}' list"
     kept = []
-    for message in messages:
-        role = message.get("role") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if role not in ROLES or not isinstance(content, str):
-            return None, "has a message without a system/user/assistant 'role' and 'content'"
-        kept.append({"role": role, "content": content})
+    for index, turn in enumerate(turns):
+        message, error = _message(turn, layout)
+        if message is None:
+            return None, f"has {layout.field}[{index}] {error}"
+        kept.append(message)
     if not any(message["role"] == "assistant" for message in kept):
         return None, "has no assistant turn to train on"
     return json.dumps({"messages": kept}), None
+
+
+def _message(turn: object, layout: _Layout) -> tuple[dict[str, str] | None, str]:
+    """One turn as ``{"role", "content"}``, or (None, what is wrong with it)."""
+    if not isinstance(turn, dict):
+        return None, f"that is not an object with '{layout.role}' and '{layout.content}'"
+    name = turn.get(layout.role)
+    role = layout.roles.get(name) if isinstance(name, str) else None
+    if role is None:
+        return None, f"with '{layout.role}' {name!r}, not one of {', '.join(layout.roles)}"
+    content, error = _content(turn.get(layout.content), layout.content)
+    if content is None:
+        return None, error
+    return {"role": role, "content": content}, ""
+
+
+def _content(value: object, key: str) -> tuple[str | None, str]:
+    """A turn's content: a string, or a list of text parts joined by newlines."""
+    if isinstance(value, str):
+        return value, ""
+    if not isinstance(value, list):
+        return None, f"without a '{key}' string or list of text parts"
+    texts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("text") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(text, str):
+            return None, (
+                f"with a content part of type {kind!r}: only text parts "
+                "({'type': 'text', 'text': str}) are trained on; drop the others"
+            )
+        texts.append(text)
+    return "\n".join(texts), ""
 
 
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase, fmt: ExampleFormat) -> None:
@@ -147,14 +273,15 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, fmt: ExampleFormat) -> N
     )
 
 
-def load_chat_template(path: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
+def load_chat_template(path: str, tokenizer: PreTrainedTokenizerBase | None) -> str | None:
     """The Jinja text of ``path``; for an empty path the tokenizer's own template (None) or, if
-    it has none, the bundled ``chat_template.jinja``. Raises UserError for a missing file."""
+    it has none, the bundled ``chat_template.jinja`` (None with no ``tokenizer``: a hub
+    tokenizer that ``--dry-run`` does not download). Raises UserError for a missing file."""
     if path:
         if not Path(path).is_file():
             raise UserError(f"--chat-template {path} is not a file; pass a Jinja template file")
         return Path(path).read_text()
-    if getattr(tokenizer, "chat_template", None):
+    if tokenizer is None or getattr(tokenizer, "chat_template", None):
         return None
     return BUNDLED_CHAT_TEMPLATE.read_text()
 
@@ -173,9 +300,10 @@ def example_tokens(
         ids = text_tokens(tokenizer, example)
         labels = list(ids)
     else:
-        segments = _segments(tokenizer, json.loads(example), fmt.chat_template)
+        fields = json.loads(example)
+        segments = _segments(tokenizer, fields, fmt.chat_template)
         ids, labels = _labelled_tokens(tokenizer, segments, fmt.train_on_prompt)
-        if "prompt" in example and ids:  # the chat template adds its own BOS and EOS
+        if "prompt" in fields and ids:  # the chat template adds its own BOS and EOS
             ids, labels = _with_bos_eos(tokenizer, ids, labels)
     if labels:
         labels[0] = IGNORE_INDEX

@@ -38,20 +38,26 @@ class MultipleChoiceQuestion:
     gold: int
 
 
-def read_questions(path: str, tokenizer: PreTrainedTokenizerBase) -> list[MultipleChoiceQuestion]:
+def read_questions(
+    path: str, tokenizer: PreTrainedTokenizerBase | None
+) -> list[MultipleChoiceQuestion]:
     """Every question of ``path`` (JSON lines, .json.gz, Parquet, Arrow or a ``save_to_disk``
-    folder), in file order, tokenised.
+    folder), in file order, tokenised; with no ``tokenizer`` (``--dry-run`` of a hub tokenizer,
+    which is not downloaded) every record is checked all the same and [] returned.
 
     Raises UserError in one line, naming the file and line (or row), for a record that cannot
     be read or lacks a query, two or more non-empty choices or a gold index among them, for a
     choice that gives no token after the query, and for a file with no question."""
     questions = []
+    found = 0
     for record, where in raw_records(path):
         if record is None:
             raise UserError(f"--eval-multiple-choice {path} {where}; repair or replace the file")
         query, choices, gold = _checked(record, f"--eval-multiple-choice {path} {where}")
-        questions.append(_tokenised(tokenizer, query, choices, gold, f"{path} {where}"))
-    if not questions:
+        found += 1
+        if tokenizer is not None:
+            questions.append(_tokenised(tokenizer, query, choices, gold, f"{path} {where}"))
+    if not found:
         raise UserError(f"--eval-multiple-choice {path} holds no questions; {FIX}")
     return questions
 

@@ -1,6 +1,7 @@
 """Local data files read one record at a time: JSON lines line by line, a file holding one JSON
-array element by element, Parquet, Arrow and ``save_to_disk`` folders row by row through
-``datasets``' own builders (``raw_records``); each record checked against its example format
+array element by element, Parquet files and ``save_to_disk`` folders row by row through
+``datasets``, Arrow files batch by batch through ``pyarrow.ipc`` (``raw_records``; a table that
+cannot be read is a damaged record, not a traceback); each record checked against its example format
 (``formats.check_record``) into ``{"text", "error"}`` (``RECORD_FEATURES``), a damaged one named
 by file and line or row (``file_records``); several files in order, with a deterministic slice of
 each held out (``read_records``, ``is_heldout``). Imports ``formats`` and ``errors``.
@@ -11,16 +12,20 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
+import pyarrow
+import pyarrow.ipc
+import pyarrow.parquet
 from datasets import Features, Value, load_dataset, load_from_disk
 
-from torchrun_ddp.errors import UserError
+from torchrun_ddp.errors import UserError, first_line
 from torchrun_ddp.training_data.formats import ExampleFormat, check_record
 
 TABLE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow"}
-"""File suffixes read through a ``datasets`` packaged builder, row by row."""
+"""File suffixes read as tables, row by row (``_builder_rows``)."""
 
 
 JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
@@ -73,18 +78,17 @@ def file_records(path: str, fmt: ExampleFormat) -> Iterator[dict[str, str | None
 
 def raw_records(path: str) -> Iterator[tuple[object, str]]:
     """(record, "line N") of a file, or (None, "line N <why it cannot be read>"); "row N" for
-    Parquet, Arrow and saved folders, "element N" for a JSON file holding one array. Raises
-    UserError for a file of an unknown type."""
+    Parquet, Arrow and saved folders, "element N" for a JSON file holding one array. A table or
+    folder that cannot be read (not Parquet, a truncated Arrow file, a folder that is no
+    ``save_to_disk`` output), or stops being readable at a row, is one such damaged record that
+    ends the file, as a damaged gzip stream is. Raises UserError for a file of an unknown type
+    and for a saved folder of several splits."""
     suffix = "".join(Path(path).suffixes[-2:]) if path.endswith(".gz") else Path(path).suffix
     if Path(path).is_dir():
-        rows = load_from_disk(path)
-        if not hasattr(rows, "to_iterable_dataset"):
-            raise UserError(f"{path} is a save_to_disk folder of several splits; name one split")
-        yield from ((row, f"row {n}") for n, row in enumerate(rows.to_iterable_dataset()))
+        yield from _table_rows(path, "a save_to_disk folder", partial(_saved_rows, path))
     elif suffix in TABLE_BUILDERS:
         builder = TABLE_BUILDERS[suffix]
-        rows = load_dataset(builder, data_files=[path], split="train", streaming=True)
-        yield from ((row, f"row {n}") for n, row in enumerate(rows))
+        yield from _table_rows(path, f"{builder.title()}", partial(_builder_rows, path, builder))
     elif suffix in JSON_SUFFIXES or path.endswith(".gz"):
         yield from _json_array(path) if _holds_array(path) else _json_lines(path)
     else:
@@ -92,6 +96,63 @@ def raw_records(path: str) -> Iterator[tuple[object, str]]:
             f"{path} is not a .json, .jsonl, .json.gz, .parquet or .arrow file or a "
             "save_to_disk folder; convert it to one of these"
         )
+
+
+UNREADABLE = (OSError, json.JSONDecodeError, pyarrow.ArrowException)
+"""What ``datasets`` and ``pyarrow`` raise for a table or folder that is not what it seems: a
+file that is not Parquet or Arrow (``ArrowInvalid``), a truncated or corrupt one (``OSError``),
+a folder without (or with a damaged) ``dataset_info.json`` or ``state.json``."""
+
+
+def _table_rows(
+    path: str, kind: str, rows: Callable[[], Iterable[object]]
+) -> Iterator[tuple[object, str]]:
+    """(row, "row N") of ``rows()``, then one damaged record where it fails (``UNREADABLE``)."""
+    count = 0
+    try:
+        for row in rows():
+            yield row, f"row {count}"
+            count += 1
+    except UNREADABLE as exc:
+        why = f"{type(exc).__name__}: {first_line(exc)}"
+        if count == 0:
+            yield None, f"cannot be read as {kind} ({why})"
+        else:
+            yield None, f"row {count} cannot be read ({why}), nor the rest of the file"
+
+
+def _saved_rows(path: str) -> Iterable[object]:
+    rows = load_from_disk(path)
+    if not hasattr(rows, "to_iterable_dataset"):
+        raise UserError(f"{path} is a save_to_disk folder of several splits; name one split")
+    return rows.to_iterable_dataset()
+
+
+def _builder_rows(path: str, builder: str) -> Iterable[object]:
+    """The rows of a Parquet file through ``datasets``' packaged builder, streamed, its footer
+    read first (``pyarrow.parquet.read_metadata``), so that a file that is not Parquet fails
+    here, before the builder logs its own error line; an Arrow file's through ``_arrow_rows``."""
+    if builder == "arrow":
+        return _arrow_rows(path)
+    pyarrow.parquet.read_metadata(path)
+    return load_dataset(builder, data_files=[path], split="train", streaming=True)
+
+
+def _arrow_rows(path: str) -> Iterator[dict[str, object]]:
+    """The rows of an Arrow IPC file, batch by batch (``pyarrow.ipc``): the stream format that
+    ``save_to_disk`` writes, else the random-access file format, as ``datasets``' arrow builder
+    reads them (not through it: it logs an error line of its own for a damaged batch)."""
+    with pyarrow.OSFile(path) as source:
+        try:
+            stream = pyarrow.ipc.open_stream(source)
+        except pyarrow.ArrowInvalid:
+            source.seek(0)
+            table = pyarrow.ipc.open_file(source)
+            for index in range(table.num_record_batches):
+                yield from table.get_batch(index).to_pylist()
+            return
+        for batch in stream:
+            yield from batch.to_pylist()
 
 
 def _holds_array(path: str) -> bool:
