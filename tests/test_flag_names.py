@@ -48,6 +48,26 @@ def test_peer_names_are_answered_with_this_projects_flag(
     assert err == f"error: unknown option --{name}: this project calls it {suggestion}"
 
 
+@pytest.mark.parametrize(
+    ("argv", "modes"),
+    [
+        (["--fsdp", "full_shard"], ["--data-parallel fsdp", "--data-parallel hsdp"]),
+        (["--fsdp", "hybrid_shard"], ["--data-parallel hsdp", "--shard-degree"]),
+        (["--deepspeed", "ds.json"], ["--data-parallel fsdp", "--zero1"]),
+        (["--parallelism.data_parallel_shard_degree", "8"], ["--data-parallel fsdp", "hsdp"]),
+        (["--parallelism.data_parallel_replicate_degree", "2"], ["--data-parallel hsdp"]),
+    ],
+)
+def test_other_trainers_sharding_names_map_to_data_parallel(
+    capsys: pytest.CaptureFixture[str], argv: list[str], modes: list[str]
+) -> None:
+    """HF's --fsdp and --deepspeed and torchtitan's data-parallel degrees name this project's
+    modes (not --zero1 alone, which fsdp refuses; not a spelling guess such as --seed)."""
+    err = _error_line(capsys, argv)
+    assert "this project calls it --data-parallel" in err, err
+    assert all(mode in err for mode in modes), err
+
+
 def test_a_torchtitan_section_in_a_config_file_is_answered(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
