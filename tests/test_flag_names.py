@@ -109,3 +109,15 @@ def test_a_config_file_gives_a_flag_unless_it_holds_the_default(tmp_path: Path) 
     printed = tmp_path / "printed.toml"
     printed.write_text(to_toml(parse_config([])))
     assert parse_config(["--config", str(printed)]) == parse_config([])
+
+
+def test_a_dry_run_refuses_a_hook_on_one_planned_replica(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """hsdp with a --compression hook on one node of 8 (one replica: the hook would exchange
+    with nobody): one line, status 2, naming ddp; the same plan on 2 nodes is printed."""
+    flags = ["--dry-run", "--data-parallel", "hsdp", "--compression", "dct", "--zero1", "false"]
+    err = _error_line(capsys, [*flags, "--plan-world-size", "8"])
+    assert "1 replica of 8 ranks" in err and "use --data-parallel ddp" in err, err
+    assert train.main([*flags, "--plan-world-size", "16"]) == 0
+    assert "communication plan" in capsys.readouterr().out

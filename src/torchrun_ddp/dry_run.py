@@ -65,12 +65,14 @@ def dry_run(
     ``model_config``: the model's, else ``plan_model_config``'s. Device memory is
     --device-memory-gib, else the visible GPU's, else 80 GiB. ``data_tokens``: the tokens of one
     pass over the training data where known (``inputs.check_dry_run_inputs``), for the run length.
-    ``method``: the run's (``method_for(config)`` when None).
+    ``method``: the run's (``method_for(config)`` when None). Raises UserError for a setting
+    the planned mesh refuses (``DataParallel.check_mesh``).
     """
     model_config = model_config or plan_model_config(config)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
     method = method or method_for(config)
     world = config.plan_world_size or env.world_size
+    run_mode(config, world).check_mesh(config)  # on the planned mesh, as a start on its ranks
     plan, hints = plan_run(config, model_config, world, memory, method=method)
     adapters = sum(plan.settings.adapter_sizes)
     trained = f" (+ {adapters:,} LoRA adapter parameters, trained)" if adapters else ""
