@@ -12,16 +12,26 @@ shards over every rank, ``hsdp`` within groups of ``--shard-degree`` ranks, repl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
+from torchrun_ddp.compression.settings import CompressionSettings
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.plan.communication import (
+    CommEstimate,
+    CommSection,
+    Topology,
+    estimate,
+    hook_rows,
+    reference_methods,
+)
 
 if TYPE_CHECKING:
     from torchrun_ddp.checkpoint import StorageLayout
@@ -29,7 +39,6 @@ if TYPE_CHECKING:
     from torchrun_ddp.config import TrainConfig
     from torchrun_ddp.distributed import DistEnv
     from torchrun_ddp.model import ModelSpec
-    from torchrun_ddp.plan.communication import CommEstimate, Topology
     from torchrun_ddp.plan.memory import MemoryPlan, PlanRequest
 
 
@@ -179,6 +188,17 @@ class DataParallel:
             "has none; use --data-parallel hsdp (shards within a node, replicas across)"
         )
 
+    @classmethod
+    def accepts_node_folders(cls, config: TrainConfig) -> bool:
+        """Whether ``config`` may keep a checkpoint folder per node under this mode (none of its
+        ``refusals`` refuses ``--checkpoint-storage node-local``): the checkpoint plan's
+        per-node rows apply."""
+        node_local = replace(config, checkpoint_storage="node-local")
+        return not any(
+            refusal.field == "checkpoint_storage" and refusal.refuses(node_local, frozenset())
+            for refusal in cls.refusals
+        )
+
     def check_storage(self, root: Path, storage: StorageLayout) -> None:
         """Raise UserError where a folder of ``storage`` (the checkpoint folders' domains)
         cannot hold a whole copy of the state."""
@@ -260,16 +280,25 @@ class DataParallel:
         gradients it cannot shed ``floor_gib`` (each subclass)."""
         raise NotImplementedError
 
-    def traffic(
+    def communication(
         self,
         config: TrainConfig,
         shapes: Sequence[tuple[int, ...]],
         topo: Topology,
         method: PlannedMethod,
-    ) -> list[str]:
-        """Lines of the communication plan about the mode's own collectives (none for ddp: the
-        comm hooks' table is its traffic)."""
-        return []
+    ) -> CommSection:
+        """The communication plan's rows under this mode for the trained parameters of
+        ``shapes`` (ddp: the method's own rows, its --compression hook, then the reference
+        hooks, each once; every rank a whole replica, so the rows span all ranks)."""
+        sizes = [math.prod(shape) for shape in shapes]
+        bucket = config.ddp_bucket_cap_mb * 2**20
+        rows = method.communication_rows(list(shapes), topo)
+        hooks = [*method.plan_hooks(), *reference_methods(config.compression_block_size)]
+        rows += hook_rows(hooks, sizes, topo, shapes, bucket, [name for name, _ in rows])
+        run = method.step_estimate(list(shapes), topo, bucket)
+        name = next((name for name, comm in rows if comm == run), method.describe())
+        dense = estimate(CompressionSettings("none"), sizes, topo, shapes, bucket)
+        return CommSection([], rows, dense, run, f"the {name} row")
 
 
 class PlannedMethod(Protocol):
@@ -281,6 +310,16 @@ class PlannedMethod(Protocol):
 
     def describe(self) -> str:
         """The method for tables."""
+        ...
+
+    def plan_hooks(self) -> list[CompressionSettings]:
+        """Its comm hooks (AdamW's --compression), planned as DDP's."""
+        ...
+
+    def communication_rows(
+        self, shapes: list[tuple[int, ...]], topo: Topology
+    ) -> list[tuple[str, CommEstimate]]:
+        """Its own exchange's rows."""
         ...
 
     def step_estimate(

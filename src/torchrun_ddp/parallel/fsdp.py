@@ -50,7 +50,7 @@ from torchrun_ddp.parallel.sharding import (
     shard_from_rank0,
 )
 from torchrun_ddp.parallel.shards import full_tensor
-from torchrun_ddp.parallel.traffic import sharded_traffic
+from torchrun_ddp.parallel.traffic import sharded_communication
 from torchrun_ddp.plan.memory import sharded_lora_plan, sharded_plan
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from torchrun_ddp.distributed import DistEnv
     from torchrun_ddp.model import ModelSpec
     from torchrun_ddp.parallel.base import PlannedMethod
-    from torchrun_ddp.plan.communication import Topology
+    from torchrun_ddp.plan.communication import CommSection, Topology
     from torchrun_ddp.plan.memory import MemoryPlan, PlanRequest
 
 log = logging.getLogger("torchrun_ddp")
@@ -268,16 +268,16 @@ class FSDP(DataParallel):
             "more memory"
         )
 
-    def traffic(
+    def communication(
         self,
         config: TrainConfig,
         shapes: Sequence[tuple[int, ...]],
         topo: Topology,
         method: PlannedMethod,
-    ) -> list[str]:
-        """FSDP's bytes per rank and step (``sharded_traffic``), and with a method on hsdp's
-        replicas its bytes across them."""
-        return sharded_traffic(self, config, shapes, topo, method)
+    ) -> CommSection:
+        """FSDP's collectives within the shard groups, and under hsdp what crosses between the
+        replicas (``traffic.sharded_communication``)."""
+        return sharded_communication(self, config, shapes, topo, method)
 
 
 class HSDP(FSDP):
