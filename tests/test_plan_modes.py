@@ -11,7 +11,7 @@ import pytest
 
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import dry_run
+from torchrun_ddp.dry_run import DataCount, dry_run, planned_steps, run_length
 
 PARAMETERS = 6_738_415_616
 BASE = ("--config", "configs/llama2_7b.toml", "--zero1", "false", "--compression", "none")
@@ -122,3 +122,21 @@ def test_compute_time_is_at_the_peak_the_device_gives() -> None:
     assert slow == pytest.approx(2 * fast, rel=0.01)
     measured = _line(dry_run(parse_config(base), ENV), "run length")
     assert "matmul on this CPU" in measured and "400 TFLOP/s" not in measured
+
+
+def test_steps_end_where_the_loop_finds_the_data_ended() -> None:
+    """The run length counts each planned rank's windows (``windows_per_rank``): the rank with
+    the fewest ends the run, on whole steps, at the last log step before its end (ranks agree
+    there); --max-steps first when it comes first; no step at all is said to be refused. The
+    loop itself is checked against this in test_end_to_end (uneven data, 2 ranks)."""
+    args = ["--batch-size", "4", "--max-steps", "1000", "--log-every", "10"]
+    config = parse_config(args)
+    counted = DataCount(10**6, (594, 687))
+    assert planned_steps(config, 2, counted) == 140  # 594 // 4 = 148 steps, cut to 140
+    assert planned_steps(parse_config([*args, "--log-every", "1"]), 2, counted) == 148
+    assert planned_steps(parse_config([*args, "--max-steps", "100"]), 2, counted) == 100
+    assert planned_steps(config, 2, DataCount(10**6)) == 10**6 // (2 * 4 * 512)  # tokens only
+    line = run_length(config, 2, DataCount(10**6, (30, 100)), 1e9, (1e12, "--plan-tflops"))
+    assert line.startswith("run length: 0 optimizer steps") and "a real start refuses" in line
+    line = run_length(config, 2, counted, 1e9, (1e12, "--plan-tflops"))
+    assert "140 optimizer steps (the data ends" in line and "fewest 594 windows" in line

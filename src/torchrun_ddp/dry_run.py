@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
@@ -62,15 +63,15 @@ def plan_model_config(config: TrainConfig) -> PretrainedConfig:
 def dry_run(
     config: TrainConfig,
     env: DistEnv,
-    data_tokens: int | None = None,
+    data: DataCount | None = None,
     model_config: PretrainedConfig | None = None,
     method: Method | None = None,
 ) -> str:
     """The memory and FLOP plan of this run, as text; nothing is allocated or downloaded.
 
     ``model_config``: the model's, else ``plan_model_config``'s. Device memory is
-    --device-memory-gib, else the visible GPU's, else 80 GiB. ``data_tokens``: the tokens of one
-    pass over the training data where known (``inputs.check_dry_run_inputs``), for the run length.
+    --device-memory-gib, else the visible GPU's, else 80 GiB. ``data``: what was counted of the
+    training data (``inputs.check_dry_run_inputs``; nothing when None), for the run length.
     ``method``: the run's (``method_for(config)`` when None). Raises UserError for a setting
     the planned mesh refuses (``DataParallel.check_mesh``).
     """
@@ -86,7 +87,7 @@ def dry_run(
     lines = [
         f"model {config.model}: {plan.parameters:,} parameters{trained}, "
         f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
-        run_length(config, plan.settings.world_size, data_tokens, plan.flops_per_token, peak),
+        run_length(config, world, data or DataCount(), plan.flops_per_token, peak),
         f"plan per rank: {plan.describe()}",
         plan.table(),
     ]
@@ -103,22 +104,48 @@ def dry_run(
     return "\n".join(lines)
 
 
-def planned_steps(config: TrainConfig, world_size: int, data_tokens: int | None) -> int | None:
-    """Optimizer steps the run takes: --max-steps, or the steps --epochs passes over
-    ``data_tokens`` fill (whichever ends it first), None where neither is known (hub
-    streaming without --max-steps). Packing ends each pass on a whole window per rank, so the
-    data's count is an upper bound by at most one step a pass."""
-    per_step = world_size * config.batch_size * config.seq_length * config.accumulation_steps
-    data_steps = None if data_tokens is None else data_tokens * config.epochs // per_step
-    if config.max_steps < 0:
-        return data_steps
-    return config.max_steps if data_steps is None else min(config.max_steps, data_steps)
+@dataclass(frozen=True)
+class DataCount:
+    """What a dry run counted of the local training data (``inputs.planned_data``): ``tokens``
+    of one pass, and the ``windows`` each planned rank packs over --epochs (in rank order, up to
+    --max-steps' windows); None where not counted (hub streaming, large files, a hub
+    tokenizer)."""
+
+    tokens: int | None = None
+    windows: tuple[int, ...] | None = None
+
+
+def planned_steps(config: TrainConfig, world_size: int, data: DataCount) -> int | None:
+    """Optimizer steps the run takes: --max-steps, or fewer where the data ends first, as the
+    loop ends it (``data_steps``); None where neither is known (hub streaming without
+    --max-steps)."""
+    limit = config.max_steps if config.max_steps > 0 else None
+    ends = data_steps(config, world_size, data)
+    if ends is None or (limit is not None and limit <= ends):
+        return limit
+    return ends
+
+
+def data_steps(config: TrainConfig, world_size: int, data: DataCount) -> int | None:
+    """The steps after which the loop finds the data ended, before --max-steps: each rank's
+    full steps (``batch_size x accumulation_steps`` windows; a partial micro-batch or step is
+    dropped), the fewest of any rank, cut to a multiple of --log-every (ranks agree on the end
+    of data at log steps, and the steps read beyond the last one are not trained). Without
+    counted windows: --epochs passes of the counted tokens over the step's tokens, an upper
+    bound; None where nothing is counted."""
+    per_step = config.batch_size * config.accumulation_steps
+    if data.windows is not None:
+        fewest = min(data.windows) // per_step
+        return fewest - fewest % config.log_every
+    if data.tokens is None:
+        return None
+    return data.tokens * config.epochs // (world_size * per_step * config.seq_length)
 
 
 def run_length(
     config: TrainConfig,
     world_size: int,
-    data_tokens: int | None,
+    data: DataCount,
     flops_per_token: float,
     peak: tuple[float, str] = (400e12, "--plan-tflops"),
 ) -> str:
@@ -126,7 +153,7 @@ def run_length(
     training data, and its compute time at ``peak`` (FLOP/s per rank and where the figure
     comes from: ``plan_peak``; communication not included: see the communication plan's step
     times)."""
-    steps = planned_steps(config, world_size, data_tokens)
+    steps = planned_steps(config, world_size, data)
     if steps is None:
         return (
             "run length: unknown (--max-steps -1 streams the hub dataset to its end); set "
@@ -135,16 +162,35 @@ def run_length(
     per_rank = config.batch_size * config.seq_length * config.accumulation_steps
     tokens = steps * per_rank * world_size
     seconds = steps * per_rank * flops_per_token / peak[0]
-    why = "--max-steps" if steps == config.max_steps else f"--epochs {config.epochs}"
-    data = (
-        f", {tokens / data_tokens:.3g} epochs of the training data's {data_tokens:,} tokens"
-        if data_tokens
+    epochs = (
+        f", {tokens / data.tokens:.3g} epochs of the training data's {data.tokens:,} tokens"
+        if data.tokens
         else ""
     )
     return (
-        f"run length: {steps:,} optimizer steps ({why}) x {per_rank * world_size:,} tokens = "
-        f"{tokens:,} tokens{data}; compute {duration(seconds)} at {peak[0] / 1e12:.3g} "
-        f"TFLOP/s per rank ({peak[1]}; communication not included)"
+        f"run length: {steps:,} optimizer steps ({steps_reason(config, steps, data)}) x "
+        f"{per_rank * world_size:,} tokens = {tokens:,} tokens{epochs}; compute "
+        f"{duration(seconds)} at {peak[0] / 1e12:.3g} TFLOP/s per rank ({peak[1]}; "
+        "communication not included)"
+    )
+
+
+def steps_reason(config: TrainConfig, steps: int, data: DataCount) -> str:
+    """Why the run ends after ``steps``: --max-steps, or where the data ends (``data_steps``:
+    the windows counted per rank, or the token count's upper bound), or that it trains none."""
+    if steps == config.max_steps:
+        return "--max-steps"
+    if data.windows is None:
+        return f"--epochs {config.epochs} of the tokens, at most"
+    if not steps:
+        return (
+            f"the data ends before step {config.log_every}, the first log step: a real start "
+            "refuses it; add documents, raise --epochs, or lower --log-every or --batch-size"
+        )
+    return (
+        f"the data ends: --epochs {config.epochs} give the rank with the fewest "
+        f"{min(data.windows):,} windows, cut to whole steps and to a multiple of --log-every "
+        f"{config.log_every}"
     )
 
 

@@ -26,7 +26,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from torchrun_ddp.checkpoint import find_latest, read_meta
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import check_fits, run_device_type
+from torchrun_ddp.dry_run import DataCount, check_fits, run_device_type
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.methods import Method, method_for
 from torchrun_ddp.metrics import (
@@ -41,6 +41,7 @@ from torchrun_ddp.parallel.base import DataParallel
 from torchrun_ddp.parallel.modes import mode_for
 from torchrun_ddp.training_data import (
     ExampleFormat,
+    GlobalPackedWindows,
     MultipleChoiceQuestion,
     check_tokenizer,
     count_tokens,
@@ -54,6 +55,7 @@ from torchrun_ddp.training_data import (
     open_documents,
     read_questions,
     resolve_files,
+    windows_per_rank,
 )
 
 log = logging.getLogger("torchrun_ddp")
@@ -135,13 +137,13 @@ def check_settings(
 
 def check_dry_run_inputs(
     config: TrainConfig, env: DistEnv, model_config: PretrainedConfig
-) -> tuple[int | None, Method]:
+) -> tuple[DataCount, Method]:
     """--dry-run's share of a real start's checks (``prepare_inputs`` but the memory fit, which
     the plan reports instead): settings, output and checkpoint folders, an earlier data error,
-    a local tokenizer, the data files. Returns the tokens one pass over the local training
-    files gives (``count_tokens``), or None where they are not counted (hub streaming, files
-    over 64 MiB, or a hub tokenizer, which --dry-run does not download), and the run's
-    method (built once, for the plan). Raises UserError."""
+    a local tokenizer, the data files. Returns what the plan's run length needs of the local
+    training files (``planned_data``; nothing counted for hub streaming, files over 64 MiB, or
+    a hub tokenizer, which --dry-run does not download), and the run's method (built once, for
+    the plan). Raises UserError."""
     method, _ = check_settings(config, env, model_config)
     check_paths(config)
     check_data_error(config)
@@ -150,8 +152,32 @@ def check_dry_run_inputs(
     train_files = resolve_files(config.data_files, "--data-files", config.max_bad_records)
     resolve_files(config.eval_files, "--eval-files", config.max_bad_records)
     if tokenizer is None:
-        return None, method
-    return count_tokens(train_files, tokenizer, sys.maxsize), method
+        return DataCount(), method
+    return planned_data(config, env, tokenizer, train_files), method
+
+
+def planned_data(
+    config: TrainConfig, env: DistEnv, tokenizer: PreTrainedTokenizerBase, files: list[str]
+) -> DataCount:
+    """The tokens of one pass over the local training ``files`` (``count_tokens``, in their
+    example format, the --eval-fraction slice left out) and the
+    windows each planned rank (--plan-world-size, else WORLD_SIZE) packs from them over
+    --epochs, as training deals and packs them (``training_data.windows_per_rank``, counted up
+    to --max-steps' windows); nothing where counting is too costly (``count_tokens``: None)."""
+    fmt = example_format(config, tokenizer) if files else ExampleFormat()
+    fraction = config.eval_fraction if not config.eval_files else 0.0
+    tokens = count_tokens(files, tokenizer, sys.maxsize, fmt, fraction)
+    if tokens is None:
+        return DataCount()
+    documents = open_documents(files, "", "", "", fmt, fraction)
+    order = GlobalPackedWindows(
+        documents, tokenizer, config.seq_length, 0, 1, config.epochs, config.shuffle_buffer,
+        config.seed, config.max_bad_records, fmt,
+    )  # fmt: skip
+    per_step = config.batch_size * config.accumulation_steps
+    limit = config.max_steps * per_step if config.max_steps > 0 else sys.maxsize
+    world = config.plan_world_size or env.world_size
+    return DataCount(tokens, tuple(windows_per_rank(order, world, limit)))
 
 
 def multiple_choice_questions(

@@ -72,9 +72,9 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
     setup_logging(env.rank, config.verbose)
     if config.dry_run:
         model_config = plan_model_config(config)
-        data_tokens, method = check_dry_run_inputs(config, env, model_config)  # as a start
+        data, method = check_dry_run_inputs(config, env, model_config)  # as a start
         if env.is_main:
-            print(dry_run(config, env, data_tokens, model_config, method))
+            print(dry_run(config, env, data, model_config, method))
         return True
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)
