@@ -53,6 +53,7 @@ def test_peer_names_are_answered_with_this_projects_flag(
     [
         (["--fsdp", "full_shard"], ["--data-parallel fsdp", "--data-parallel hsdp"]),
         (["--fsdp", "hybrid_shard"], ["--data-parallel hsdp", "--shard-degree"]),
+        (["--fsdp_config", "fsdp.json"], ["--data-parallel fsdp"]),
         (["--deepspeed", "ds.json"], ["--data-parallel fsdp", "--zero1"]),
         (["--parallelism.data_parallel_shard_degree", "8"], ["--data-parallel fsdp", "hsdp"]),
         (["--parallelism.data_parallel_replicate_degree", "2"], ["--data-parallel hsdp"]),
