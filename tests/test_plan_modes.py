@@ -8,10 +8,11 @@ starts)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import DataCount, dry_run, planned_steps, run_length
+from torchrun_ddp.dry_run import DataCount, dry_run, plan_peak, planned_steps, run_length
 
 PARAMETERS = 6_738_415_616
 BASE = ("--config", "configs/llama2_7b.toml", "--zero1", "false", "--compression", "none")
@@ -109,19 +110,23 @@ def test_hsdp_hook_halves_the_native_all_reduce_across_replicas() -> None:
     assert _mb(run, "MB through each node's uplink") == float(rows["replicas: dct 0.5"][1])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's measured peak")
 def test_compute_time_is_at_the_peak_the_device_gives() -> None:
     """Without --plan-tflops the plan's compute is at --peak-tflops, else (here, on a CPU) the
-    measured matmul rate, named; at 1 TFLOP/s it takes twice as long as at 2."""
-    base = [*BASE[:-2], "--max-steps", "10"]
-    lines = {
-        peak: _line(dry_run(parse_config([*base, "--peak-tflops", peak]), ENV), "run length")
-        for peak in ("1", "2")
-    }
-    slow, fast = (float(lines[key].split("compute ")[1].split()[0]) for key in ("1", "2"))
-    assert "at 1 TFLOP/s per rank (--peak-tflops" in lines["1"]
-    assert slow == pytest.approx(2 * fast, rel=0.01)
-    measured = _line(dry_run(parse_config(base), ENV), "run length")
-    assert "matmul on this CPU" in measured and "400 TFLOP/s" not in measured
+    measured matmul rate in the compute dtype, named; the run length's time halves at twice
+    the peak, and the line names where its rate comes from."""
+    fp32 = ["--precision", "fp32"]
+    assert plan_peak(parse_config([*fp32, "--peak-tflops", "2"])) == (2e12, "--peak-tflops")
+    assert plan_peak(parse_config([*fp32, "--peak-tflops", "2", "--plan-tflops", "3"]))[0] == 3e12
+    measured, source = plan_peak(parse_config(fp32))
+    assert 0 < measured < 50e12 and source.startswith("measured float32 matmul on this CPU")
+    config = parse_config(["--max-steps", "10"])
+    slow, fast = (
+        run_length(config, 1, DataCount(), 1e9, (peak, "--peak-tflops")) for peak in (1e12, 2e12)
+    )
+    assert "at 1 TFLOP/s per rank (--peak-tflops" in slow, slow
+    seconds = [float(line.split("compute ")[1].split()[0]) for line in (slow, fast)]
+    assert seconds[0] == pytest.approx(2 * seconds[1], rel=0.01)
 
 
 def test_steps_end_where_the_loop_finds_the_data_ended() -> None:
