@@ -27,6 +27,11 @@ from tiny_models import LogLines, train_in_group
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrun_ddp import plot
+from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.dry_run import planned_steps
+from torchrun_ddp.inputs import planned_data
+from torchrun_ddp.training_data import load_tokenizer, resolve_files
 
 pytestmark = pytest.mark.slow  # trains the quick start under torchrun
 
@@ -182,6 +187,12 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_pa
         assert steps == list(range(log_every, steps[-1] + 1, log_every))
         last_steps[log_every] = steps[-1]
     assert last_steps[3] == last_steps[1] // 3 * 3 > 0
+    for log_every, steps in last_steps.items():  # the dry run's plan says where the data ends
+        args = _uneven_args(sample_data, data, tmp_path / "plan", log_every)
+        config = parse_config([*args, "--dry-run", "--plan-world-size", "2"])
+        files = resolve_files(config.data_files, "--data-files")
+        counted = planned_data(config, DistEnv(), load_tokenizer(config.tokenizer), files)
+        assert planned_steps(config, 2, counted) == steps, (log_every, counted)
     again = logs["again"]
     assert f"end of training data after {last_steps[3]} steps" in again, again
     assert (

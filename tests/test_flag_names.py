@@ -48,6 +48,27 @@ def test_peer_names_are_answered_with_this_projects_flag(
     assert err == f"error: unknown option --{name}: this project calls it {suggestion}"
 
 
+@pytest.mark.parametrize(
+    ("argv", "modes"),
+    [
+        (["--fsdp", "full_shard"], ["--data-parallel fsdp", "--data-parallel hsdp"]),
+        (["--fsdp", "hybrid_shard"], ["--data-parallel hsdp", "--shard-degree"]),
+        (["--fsdp_config", "fsdp.json"], ["--data-parallel fsdp"]),
+        (["--deepspeed", "ds.json"], ["--data-parallel fsdp", "--zero1"]),
+        (["--parallelism.data_parallel_shard_degree", "8"], ["--data-parallel fsdp", "hsdp"]),
+        (["--parallelism.data_parallel_replicate_degree", "2"], ["--data-parallel hsdp"]),
+    ],
+)
+def test_other_trainers_sharding_names_map_to_data_parallel(
+    capsys: pytest.CaptureFixture[str], argv: list[str], modes: list[str]
+) -> None:
+    """HF's --fsdp and --deepspeed and torchtitan's data-parallel degrees name this project's
+    modes (not --zero1 alone, which fsdp refuses; not a spelling guess such as --seed)."""
+    err = _error_line(capsys, argv)
+    assert "this project calls it --data-parallel" in err, err
+    assert all(mode in err for mode in modes), err
+
+
 def test_a_torchtitan_section_in_a_config_file_is_answered(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -89,3 +110,15 @@ def test_a_config_file_gives_a_flag_unless_it_holds_the_default(tmp_path: Path) 
     printed = tmp_path / "printed.toml"
     printed.write_text(to_toml(parse_config([])))
     assert parse_config(["--config", str(printed)]) == parse_config([])
+
+
+def test_a_dry_run_refuses_a_hook_on_one_planned_replica(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """hsdp with a --compression hook on one node of 8 (one replica: the hook would exchange
+    with nobody): one line, status 2, naming ddp; the same plan on 2 nodes is printed."""
+    flags = ["--dry-run", "--data-parallel", "hsdp", "--compression", "dct", "--zero1", "false"]
+    err = _error_line(capsys, [*flags, "--plan-world-size", "8"])
+    assert "1 replica of 8 ranks" in err and "use --data-parallel ddp" in err, err
+    assert train.main([*flags, "--plan-world-size", "16"]) == 0
+    assert "communication plan" in capsys.readouterr().out

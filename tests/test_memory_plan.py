@@ -49,6 +49,7 @@ from torchrun_ddp.plan.communication import (
     Topology,
     communication_table,
     estimate,
+    hook_rows,
     last_bucket_share,
     powersgd_numel,
     predicted_step_seconds,
@@ -374,8 +375,10 @@ def test_node_aware_scope_moves_fewer_bytes_over_the_uplink(sizes: list[int]) ->
         1.0 + max(2.0, hideable) + flat.exposed_s
     )
     assert predicted_step_seconds(aware, 3.0) == pytest.approx(3.0 + aware.seconds)
-    table = communication_table([DCT_8X], sizes, topo, 3.0)
+    dense = estimate(CompressionSettings("none"), sizes, topo)
+    table = communication_table(hook_rows([DCT_8X, DCT_8X], sizes, topo), dense, 3.0)
     assert "| dct 0.25 bf16 |" in table and "8x" in table
+    assert table.count("| dct 0.25 bf16 |") == 1, table  # each hook once
 
 
 def test_dry_run_plans_demo_all_gather_as_the_first_row(config: LlamaConfig) -> None:
@@ -386,14 +389,15 @@ def test_dry_run_plans_demo_all_gather_as_the_first_row(config: LlamaConfig) -> 
     shapes = trained_shapes(run, config)
     assert sum(math.prod(shape) for shape in shapes) == N
     table = communication_plan(run, DistEnv(), shapes, 1e9)
-    first = table.splitlines()[3].split(" | ")
+    first = table.splitlines()[4].split(" | ")  # after the header, the run's line, the head
     wire = 7 * demo_payload_bytes(shapes, 32, 64, torch.bfloat16)
     assert first[0] == "| demo k=32 tile 64" and first[1] == f"{wire / 1e6:.4g}"
     ratio = float(first[3].rstrip("x"))
     assert ratio == pytest.approx(2 * 7 / 8 * 4 * N / wire, rel=1e-2)
     assert 31 < ratio <= 32 and "waits in the optimizer step" in first[6]
     adamw = communication_plan(replace(run, optimizer="adamw"), DistEnv(), shapes, 1e9)
-    assert adamw.splitlines()[3].startswith("| none | ")
+    assert adamw.splitlines()[4].startswith("| none | ")
+    assert adamw.count("| none | ") == 1, adamw  # the run's hook is not repeated among the others
 
 
 # -------------------------------------------------------------------------------------------------

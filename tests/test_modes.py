@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from torchrun_ddp.config import TrainConfig
+from torchrun_ddp.config_fields import help_text
 from torchrun_ddp.config_io import build_parser, parse_config
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods import METHODS, PRESETS, method_class
@@ -80,3 +81,62 @@ def test_the_methods_table_fills_optimizer_choices_help_and_presets() -> None:
     assert {"sparseloco_preset": method_class("sparseloco").presets} == PRESETS
     with pytest.raises(UserError, match="unknown --optimizer 'lamb'"):
         method_class("lamb")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--data-parallel", "fsdp", "--ddp-bucket-cap-mb", "50"), "use --data-parallel ddp"),
+        (("--data-parallel", "fsdp", "--gradient-as-bucket-view", "false"), "--data-parallel ddp"),
+        (("--data-parallel", "hsdp", "--no-gradient-as-bucket-view"), "use --data-parallel ddp"),
+        (("--data-parallel", "hsdp", "--ddp-bucket-cap-mb", "50"), "or a --compression hook"),
+    ],
+)
+def test_a_ddp_bucket_flag_given_under_a_sharded_mode_is_refused(
+    flags: tuple[str, ...], message: str
+) -> None:
+    """DDP's bucket flags do nothing under FSDP: given, they are refused in one line naming the
+    mode that reads them; left at their defaults (a saved config lists them) they pass."""
+    with pytest.raises(UserError, match=message) as caught:
+        parse_config(["--model", "x", *flags])
+    assert "does nothing under --data-parallel" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    for mode in ("fsdp", "hsdp"):
+        assert parse_config(["--model", "x", "--data-parallel", mode]).ddp_bucket_cap_mb == 25.0
+
+
+def test_hsdps_hook_sizes_its_buckets_and_needs_two_replicas() -> None:
+    """Under hsdp a --compression hook reads --ddp-bucket-cap-mb (its buckets across the
+    replicas), and needs a replica to exchange with: on one node of 8 ranks (one replica of 8)
+    it is refused naming ddp, on 2 nodes it is accepted; a dry run checks the planned mesh."""
+    flags = ["--model", "x", "--data-parallel", "hsdp", "--compression", "dct"]
+    config = parse_config([*flags, "--ddp-bucket-cap-mb", "50"])
+    assert config.ddp_bucket_cap_mb == 50.0
+    with pytest.raises(UserError, match="use --data-parallel ddp for a comm hook") as caught:
+        mode_for(config, 8, 8)
+    assert "1 replica of 8 ranks" in str(caught.value) and "\n" not in str(caught.value)
+    assert mode_for(config, 16, 8).shape == MeshShape(2, 8)
+    assert mode_for(parse_config([*flags, "--shard-degree", "4"]), 8, 8).shape == MeshShape(2, 4)
+    assert mode_for(parse_config([*flags[:-2]]), 8, 8).shape == MeshShape(1, 8)  # no hook
+    dry = parse_config([*flags, "--dry-run", "--plan-world-size", "16"])
+    assert mode_for(dry, 1, 1).shape == MeshShape(1, 1)  # the plan's mesh is checked instead
+
+
+def test_help_names_the_modes_that_refuse_each_flag() -> None:
+    """--help's notes come from the modes' refusal tables: each refused flag names the modes
+    that refuse it (and only those), and --optimizer's exchanging methods name fsdp."""
+    helps = {action.dest: action.help or "" for action in build_parser()._actions}
+    assert helps["zero1"].endswith("own shard. Refused under --data-parallel fsdp, hsdp (true).")
+    assert helps["shard_degree"].endswith("Refused under --data-parallel ddp, fsdp (other than 0).")
+    assert helps["compression"].endswith(
+        "Refused under --data-parallel fsdp, hsdp with one replica (other than none)."
+    )
+    assert helps["checkpoint_storage"].endswith("Refused under --data-parallel fsdp (node-local).")
+    assert "Refused" not in helps["peft"]
+    for name, method in METHODS.items():
+        refused = f"{name}: {method.summary} (refused under --data-parallel fsdp)."
+        assert (refused in helps["optimizer"]) is (name != "adamw"), name
+    for mode in MODES.values():
+        for refusal in mode.refusals:
+            field = next(f for f in dataclasses.fields(TrainConfig) if f.name == refusal.field)
+            assert mode.name in help_text(field), (mode.name, refusal.field)

@@ -375,7 +375,10 @@ class TrainConfig:
         100.0, "--dry-run: link bandwidth between nodes, Gbit/s per direction per node."
     )
     plan_tflops: float = opt(
-        400.0, "--dry-run: sustained training TFLOP/s per rank for the compute time."
+        0.0,
+        "--dry-run: sustained training TFLOP/s per rank for the compute time; 0: the device's "
+        "peak, as MFU divides by (--peak-tflops, else the visible GPU's data-sheet peak, else "
+        "this CPU's measured matmul rate), so the time is a lower bound.",
     )
     powersgd_rank: int = opt(4, "powersgd: rank of the low-rank gradient approximation.")
     data_parallel: str = opt(

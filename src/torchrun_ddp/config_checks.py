@@ -18,8 +18,8 @@ _POSITIVE += ("keep_checkpoints", "compression_topk", "powersgd_rank", "ddp_buck
 _NON_NEGATIVE = ("weight_decay", "warmup_steps", "eval_every", "threads", "min_lr")
 _NON_NEGATIVE += ("max_grad_norm", "shuffle_buffer", "checkpoint_every", "compression_start_step")
 _NON_NEGATIVE += ("max_bad_records", "train_timeout_s", "buddy_copies", "max_loss")
-_NON_NEGATIVE += ("device_memory_gib", "peak_tflops")
-_POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit", "plan_tflops")
+_NON_NEGATIVE += ("device_memory_gib", "peak_tflops", "plan_tflops")
+_POSITIVE += ("plan_intra_node_gbit", "plan_inter_node_gbit")
 _POSITIVE += ("plan_gpus_per_node",)
 _NON_NEGATIVE += ("plan_world_size", "shard_degree", "decay_steps")
 

@@ -13,6 +13,8 @@ OPTIMIZER_CHOICES: list[str] = []
 """--optimizer's values (``TrainConfig.optimizer``'s choices: the field holds this list)."""
 _CHOICE_HELP: dict[str, dict[str, str]] = {}
 """Field -> {value: one line} appended to its help (``help_text``)."""
+_NOTES: dict[str, str] = {}
+"""Field -> a sentence appended to its help after the choices (``register_note``)."""
 
 
 def opt(default: object, help: str, **extra: object) -> object:
@@ -36,9 +38,17 @@ def register_choices(name: str, choices: list[str], lines: dict[str, str]) -> No
     _CHOICE_HELP[name] = dict(lines)
 
 
+def register_note(name: str, note: str) -> None:
+    """Append ``note`` (a sentence) to field ``name``'s help (``help_text``), e.g. the
+    data-parallel modes that refuse it (``parallel.modes``)."""
+    _NOTES[name] = note
+
+
 def help_text(field_: dataclasses.Field[object]) -> str:
     """The help of a config field as ``--help`` and the configuration page show it: its own,
-    then a line per choice registered for it (``register_choices``)."""
+    then a line per choice registered for it (``register_choices``), then its note
+    (``register_note``)."""
     text = str(field_.metadata.get("help", ""))
     lines = _CHOICE_HELP.get(field_.name, {})
-    return " ".join([text, *(f"{name}: {line}." for name, line in lines.items())])
+    note = [_NOTES[field_.name]] if field_.name in _NOTES else []
+    return " ".join([text, *(f"{name}: {line}." for name, line in lines.items()), *note])

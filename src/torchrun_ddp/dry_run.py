@@ -11,8 +11,10 @@ is built once per dry run. Nothing is allocated or downloaded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
@@ -22,14 +24,19 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods import MemoryRow, Method, method_for
+from torchrun_ddp.metrics.peaks import gpu_peak_flops, measure_cpu_peak_flops
 from torchrun_ddp.model import PRECISION_DTYPES, load_model_config
 from torchrun_ddp.plan.architecture import llama2_7b_config, missing_sizes
-from torchrun_ddp.plan.checkpoint import checkpoint_sizes, checkpoint_table
+from torchrun_ddp.plan.checkpoint import (
+    checkpoint_sizes,
+    checkpoint_table,
+    shared_checkpoint_table,
+)
 from torchrun_ddp.plan.communication import (
     CommEstimate,
     Topology,
     communication_table,
-    reference_methods,
+    run_line,
     state_bytes,
 )
 from torchrun_ddp.plan.memory import MemoryPlan
@@ -56,28 +63,31 @@ def plan_model_config(config: TrainConfig) -> PretrainedConfig:
 def dry_run(
     config: TrainConfig,
     env: DistEnv,
-    data_tokens: int | None = None,
+    data: DataCount | None = None,
     model_config: PretrainedConfig | None = None,
     method: Method | None = None,
 ) -> str:
     """The memory and FLOP plan of this run, as text; nothing is allocated or downloaded.
 
     ``model_config``: the model's, else ``plan_model_config``'s. Device memory is
-    --device-memory-gib, else the visible GPU's, else 80 GiB. ``data_tokens``: the tokens of one
-    pass over the training data where known (``inputs.check_inputs``), for the run length.
-    ``method``: the run's (``method_for(config)`` when None).
+    --device-memory-gib, else the visible GPU's, else 80 GiB. ``data``: what was counted of the
+    training data (``inputs.planned_data``; nothing when None), for the run length.
+    ``method``: the run's (``method_for(config)`` when None). Raises UserError for a setting
+    the planned mesh refuses (``DataParallel.check_mesh``).
     """
     model_config = model_config or plan_model_config(config)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
     method = method or method_for(config)
     world = config.plan_world_size or env.world_size
+    run_mode(config, world).check_mesh(config)  # on the planned mesh, as a start on its ranks
     plan, hints = plan_run(config, model_config, world, memory, method=method)
+    peak = plan_peak(config)
     adapters = sum(plan.settings.adapter_sizes)
     trained = f" (+ {adapters:,} LoRA adapter parameters, trained)" if adapters else ""
     lines = [
         f"model {config.model}: {plan.parameters:,} parameters{trained}, "
         f"{plan.flops_per_token:.4g} training FLOPs per token at seq length {config.seq_length}",
-        run_length(config, plan.settings.world_size, data_tokens, plan.flops_per_token),
+        run_length(config, world, data or DataCount(), plan.flops_per_token, peak),
         f"plan per rank: {plan.describe()}",
         plan.table(),
     ]
@@ -88,31 +98,62 @@ def dry_run(
     if extra:
         lines.append(local_update_memory_table(extra, method))
     shapes = trained_shapes(config, model_config)
-    lines.append(communication_plan(config, env, shapes, plan.flops_per_token, method))
+    lines.append(communication_plan(config, env, shapes, plan.flops_per_token, method, peak))
     matrices = trained_matrix_shapes(config, model_config)
     lines.append(checkpoint_plan(config, plan, (shapes, matrices), method))
     return "\n".join(lines)
 
 
-def planned_steps(config: TrainConfig, world_size: int, data_tokens: int | None) -> int | None:
-    """Optimizer steps the run takes: --max-steps, or the steps --epochs passes over
-    ``data_tokens`` fill (whichever ends it first), None where neither is known (hub
-    streaming without --max-steps). Packing ends each pass on a whole window per rank, so the
-    data's count is an upper bound by at most one step a pass."""
-    per_step = world_size * config.batch_size * config.seq_length * config.accumulation_steps
-    data_steps = None if data_tokens is None else data_tokens * config.epochs // per_step
-    if config.max_steps < 0:
-        return data_steps
-    return config.max_steps if data_steps is None else min(config.max_steps, data_steps)
+@dataclass(frozen=True)
+class DataCount:
+    """What a dry run counted of the local training data (``inputs.planned_data``): ``tokens``
+    of one pass, and the ``windows`` each planned rank packs over --epochs (in rank order, up to
+    --max-steps' windows); None where not counted (hub streaming, large files, a hub
+    tokenizer)."""
+
+    tokens: int | None = None
+    windows: tuple[int, ...] | None = None
+
+
+def planned_steps(config: TrainConfig, world_size: int, data: DataCount) -> int | None:
+    """Optimizer steps the run takes: --max-steps, or fewer where the data ends first, as the
+    loop ends it (``data_steps``); None where neither is known (hub streaming without
+    --max-steps)."""
+    limit = config.max_steps if config.max_steps > 0 else None
+    ends = data_steps(config, world_size, data)
+    if ends is None or (limit is not None and limit <= ends):
+        return limit
+    return ends
+
+
+def data_steps(config: TrainConfig, world_size: int, data: DataCount) -> int | None:
+    """The steps after which the loop finds the data ended, before --max-steps: each rank's
+    full steps (``batch_size x accumulation_steps`` windows; a partial micro-batch or step is
+    dropped), the fewest of any rank, cut to a multiple of --log-every (ranks agree on the end
+    of data at log steps, and the steps read beyond the last one are not trained). Without
+    counted windows: --epochs passes of the counted tokens over the step's tokens, an upper
+    bound; None where nothing is counted."""
+    per_step = config.batch_size * config.accumulation_steps
+    if data.windows is not None:
+        fewest = min(data.windows) // per_step
+        return fewest - fewest % config.log_every
+    if data.tokens is None:
+        return None
+    return data.tokens * config.epochs // (world_size * per_step * config.seq_length)
 
 
 def run_length(
-    config: TrainConfig, world_size: int, data_tokens: int | None, flops_per_token: float
+    config: TrainConfig,
+    world_size: int,
+    data: DataCount,
+    flops_per_token: float,
+    peak: tuple[float, str] = (400e12, "--plan-tflops"),
 ) -> str:
     """One line: the run's optimizer steps (``planned_steps``), tokens, passes over the
-    training data, and its compute time in hours at --plan-tflops per rank (communication not
-    included: see the communication plan's step times)."""
-    steps = planned_steps(config, world_size, data_tokens)
+    training data, and its compute time at ``peak`` (FLOP/s per rank and where the figure
+    comes from: ``plan_peak``; communication not included: see the communication plan's step
+    times)."""
+    steps = planned_steps(config, world_size, data)
     if steps is None:
         return (
             "run length: unknown (--max-steps -1 streams the hub dataset to its end); set "
@@ -120,18 +161,67 @@ def run_length(
         )
     per_rank = config.batch_size * config.seq_length * config.accumulation_steps
     tokens = steps * per_rank * world_size
-    seconds = steps * per_rank * flops_per_token / (config.plan_tflops * 1e12)
-    why = "--max-steps" if steps == config.max_steps else f"--epochs {config.epochs}"
-    data = (
-        f", {tokens / data_tokens:.3g} epochs of the training data's {data_tokens:,} tokens"
-        if data_tokens
+    seconds = steps * per_rank * flops_per_token / peak[0]
+    epochs = (
+        f", {tokens / data.tokens:.3g} epochs of the training data's {data.tokens:,} tokens"
+        if data.tokens
         else ""
     )
     return (
-        f"run length: {steps:,} optimizer steps ({why}) x {per_rank * world_size:,} tokens = "
-        f"{tokens:,} tokens{data}; compute {duration(seconds)} at {config.plan_tflops:g} "
-        "TFLOP/s per rank (communication not included)"
+        f"run length: {steps:,} optimizer steps ({steps_reason(config, steps, data)}) x "
+        f"{per_rank * world_size:,} tokens = {tokens:,} tokens{epochs}; compute "
+        f"{duration(seconds)} at {peak[0] / 1e12:.3g} TFLOP/s per rank ({peak[1]}; "
+        "communication not included)"
     )
+
+
+def steps_reason(config: TrainConfig, steps: int, data: DataCount) -> str:
+    """Why the run ends after ``steps``: --max-steps, or where the data ends (``data_steps``:
+    the windows counted per rank, or the token count's upper bound), or that it trains none."""
+    if steps == config.max_steps:
+        return "--max-steps"
+    if data.windows is None:
+        return f"--epochs {config.epochs} of the tokens, at most"
+    if not steps:
+        return (
+            f"the data ends before step {config.log_every}, the first log step: a real start "
+            "refuses it; add documents, raise --epochs, or lower --log-every or --batch-size"
+        )
+    return (
+        f"the data ends: --epochs {config.epochs} give the rank with the fewest "
+        f"{min(data.windows):,} windows, cut to whole steps and to a multiple of --log-every "
+        f"{config.log_every}"
+    )
+
+
+GPU_FALLBACK_FLOPS = 400e12
+"""The compute rate a plan assumes on a GPU with no data-sheet peak (``metrics.GPU_PEAK_FLOPS``)
+and no --peak-tflops or --plan-tflops; the plan says it is assumed."""
+
+
+def plan_peak(config: TrainConfig) -> tuple[float, str]:
+    """FLOP/s per rank the plan's compute time uses, and where it comes from: --plan-tflops,
+    else --peak-tflops, else the peak MFU divides by on the device the run would train on
+    (``metrics.device_peak_flops``: the visible GPU's data-sheet dense bf16 peak, or this CPU's
+    measured matmul rate in the compute dtype, measured once per process)."""
+    if config.plan_tflops:
+        return config.plan_tflops * 1e12, "--plan-tflops"
+    if config.peak_tflops:
+        return config.peak_tflops * 1e12, "--peak-tflops"
+    if run_device_type(config) == "cuda":
+        peak, source = gpu_peak_flops(torch.cuda.get_device_name(0))
+        if peak:
+            return peak, source
+        return GPU_FALLBACK_FLOPS, f"{source}; assumed: --peak-tflops sets it"
+    dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
+    name = str(dtype).removeprefix("torch.")
+    return _cpu_peak(dtype), f"measured {name} matmul on this CPU; --peak-tflops for another"
+
+
+@functools.cache
+def _cpu_peak(dtype: torch.dtype) -> float:
+    """``metrics.measure_cpu_peak_flops`` once per process and dtype."""
+    return measure_cpu_peak_flops(dtype=dtype)
 
 
 def duration(seconds: float) -> str:
@@ -151,7 +241,8 @@ def checkpoint_plan(
 ) -> str:
     """``plan.checkpoint``'s table for this run's world size and --plan-gpus-per-node, with the
     ``method``'s optimizer state; ``layout``: the shapes of the trained parameters and of
-    those among them that are hidden-layer matrices (``planning.trained_matrix_shapes``)."""
+    those among them that are hidden-layer matrices (``planning.trained_matrix_shapes``). A
+    mode that refuses a folder per node (fsdp) gets the shared folder's rows instead."""
     shapes, matrices = layout
     world = plan.settings.world_size
     per_node = min(config.plan_gpus_per_node, world)
@@ -164,6 +255,9 @@ def checkpoint_plan(
     optimizer = method.checkpoint_bytes(sizes)
     replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook
     sizes = checkpoint_sizes(config, plan.parameters, trained, replicated, per_rank)
+    mode = run_mode(config, world)
+    if not mode.accepts_node_folders(config):
+        return shared_checkpoint_table(sizes, world, mode.name)
     return checkpoint_table(sizes, config, world, per_node)
 
 
@@ -184,35 +278,33 @@ def communication_plan(
     shapes: list[tuple[int, ...]],
     flops_per_token: float,
     method: Method | None = None,
+    peak: tuple[float, str] | None = None,
 ) -> str:
     """Wire bytes and predicted times per step of this run's method (its --compression, or
     DeMo's all-gather under --optimizer demo) and the reference methods (``plan.communication``)
     for the trained parameters of ``shapes``, for --plan-world-size ranks (else WORLD_SIZE),
-    --plan-gpus-per-node and the --plan-*-gbit links; compute at --plan-tflops per rank; under
-    a sharded mode, its own collectives first (``DataParallel.traffic``). ``method``: the run's
-    (``method_for(config)`` when None)."""
+    --plan-gpus-per-node and the --plan-*-gbit links; compute at ``peak`` per rank
+    (``plan_peak`` when None); the rows the run's mode runs (``DataParallel.communication``).
+    ``method``: the run's (``method_for(config)`` when None)."""
     world = config.plan_world_size or env.world_size
     per_node = min(config.plan_gpus_per_node, world)
     topo = Topology(
         world, per_node, config.plan_intra_node_gbit * 1e9, config.plan_inter_node_gbit * 1e9
     )
     tokens = config.batch_size * config.seq_length * config.accumulation_steps
-    compute_s = tokens * flops_per_token / (config.plan_tflops * 1e12)
-    sizes = [math.prod(shape) for shape in shapes]
+    flops, source = peak or plan_peak(config)
+    compute_s = tokens * flops_per_token / flops
     method = method or method_for(config)
-    methods = [*method.plan_hooks(), *reference_methods(config.compression_block_size)]
-    first = method.communication_rows(shapes, topo)
+    section = run_mode(config, world).communication(config, shapes, topo, method)
     header = (
         f"communication plan: {world} ranks = {topo.nodes} node(s) x {per_node}, links "
         f"{config.plan_intra_node_gbit:g} Gbit/s in a node, {config.plan_inter_node_gbit:g} "
         f"Gbit/s between nodes; compute {compute_s:.4g} s per step ({tokens} tokens per rank at "
-        f"{config.plan_tflops:g} TFLOP/s); first rows: this run's --optimizer (diloco and "
-        "sparseloco: one sync, then its share of a step; DeMo k 32 next to them) or --compression"
+        f"{flops / 1e12:.3g} TFLOP/s, {source}); first rows: this run's (diloco and "
+        "sparseloco: one sync, then its share of a step), then the others for comparison"
     )
-    bucket = config.ddp_bucket_cap_mb * 2**20
-    table = communication_table(methods, sizes, topo, compute_s, first, shapes, bucket)
-    traffic = run_mode(config, world).traffic(config, shapes, topo, method)
-    return "\n".join([header, *traffic, table])
+    table = communication_table(section.rows, section.dense, compute_s)
+    return "\n".join([header, *section.lines, run_line(section, topo), table])
 
 
 def run_estimate(

@@ -28,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from torchrun_ddp.checkpoint import find_latest, read_meta
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import check_fits, run_device_type
+from torchrun_ddp.dry_run import DataCount, check_fits, run_device_type
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.methods import Method, method_for
 from torchrun_ddp.metrics import (
@@ -43,6 +43,7 @@ from torchrun_ddp.parallel.base import DataParallel
 from torchrun_ddp.parallel.modes import mode_for
 from torchrun_ddp.training_data import (
     ExampleFormat,
+    GlobalPackedWindows,
     MultipleChoiceQuestion,
     check_record,
     check_tokenizer,
@@ -58,6 +59,7 @@ from torchrun_ddp.training_data import (
     open_documents,
     read_questions,
     resolve_files,
+    windows_per_rank,
 )
 
 log = logging.getLogger("torchrun_ddp")
@@ -174,6 +176,27 @@ def check_settings(
             f"use --seq-length {limit} or less"
         )
     return method, mode
+
+
+def planned_data(config: TrainConfig, env: DistEnv, checked: CheckedInputs) -> DataCount:
+    """What --dry-run's run length needs of the local training files that ``check_inputs``
+    read: their tokens (``checked.data_tokens``) and the windows each planned rank
+    (--plan-world-size, else WORLD_SIZE) packs from them over --epochs, as training deals and
+    packs them (``training_data.windows_per_rank``, counted up to --max-steps' windows);
+    nothing where the tokens were not counted (a hub tokenizer, hub streaming, large files)."""
+    if checked.data_tokens is None or checked.tokenizer is None:
+        return DataCount()
+    fmt = checked.example_format
+    fraction = config.eval_fraction if not config.eval_files else 0.0
+    documents = open_documents(checked.train_files, "", "", "", fmt, fraction)
+    order = GlobalPackedWindows(
+        documents, checked.tokenizer, config.seq_length, 0, 1, config.epochs,
+        config.shuffle_buffer, config.seed, config.max_bad_records, fmt,
+    )  # fmt: skip
+    per_step = config.batch_size * config.accumulation_steps
+    limit = config.max_steps * per_step if config.max_steps > 0 else sys.maxsize
+    world = config.plan_world_size or env.world_size
+    return DataCount(checked.data_tokens, tuple(windows_per_rank(order, world, limit)))
 
 
 def multiple_choice_questions(

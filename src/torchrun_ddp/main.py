@@ -49,6 +49,7 @@ from torchrun_ddp.inputs import (
     Inputs,
     check_inputs,
     checkpoint_root,
+    planned_data,
     prepare_inputs,
     record_data_error,
 )
@@ -74,7 +75,8 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
         model_config = plan_model_config(config)
         checked = check_inputs(config, env, model_config)  # a real start's checks
         if env.is_main:
-            print(dry_run(config, env, checked.data_tokens, model_config, checked.method))
+            data = planned_data(config, env, checked)
+            print(dry_run(config, env, data, model_config, checked.method))
         return True
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)

@@ -49,6 +49,11 @@ HF_TRAINER: dict[str, str] = {
     "max_length": "--seq-length",
     "use_peft": "--peft lora",
     "lora_r": "--lora-rank",
+    "fsdp": "--data-parallel fsdp (full_shard: every rank a shard), or --data-parallel hsdp "
+    "(hybrid_shard: sharded within a node, replicated across; --shard-degree sets the ranks)",
+    "fsdp_config": "--data-parallel fsdp (one unit per decoder layer; no FSDP config is read)",
+    "deepspeed": "--data-parallel fsdp (ZeRO-3: weights, gradients and AdamW state sharded) or "
+    "--zero1 (ZeRO-1 under --data-parallel ddp); no DeepSpeed config is read",
 }
 """``TrainingArguments`` (and the example scripts' and TRL's) names -> this project's flag."""
 
@@ -93,7 +98,10 @@ TORCHTITAN: dict[str, str] = {
     "validation.steps": "--eval-batches",
     "comm.init_timeout_seconds": "--timeout-s",
     "comm.train_timeout_seconds": "--train-timeout-s",
-    "parallelism.data_parallel_shard_degree": "--zero1 (ZeRO-1 shards the optimizer state)",
+    "parallelism.data_parallel_shard_degree": "--data-parallel fsdp (-1 or every rank: one shard "
+    "group), or --data-parallel hsdp --shard-degree N (N ranks a shard group)",
+    "parallelism.data_parallel_replicate_degree": "--data-parallel hsdp (replicas = WORLD_SIZE / "
+    "--shard-degree)",
 }
 """torchtitan's ``--section.key`` flags and TOML keys -> this project's flag."""
 

@@ -44,8 +44,17 @@ METHODS: dict[str, type[Method]] = {
 }
 """``--optimizer`` value -> its method class."""
 
+
+def _choice_line(method: type[Method]) -> str:
+    """--optimizer's help line of ``method``: its summary, and the modes that refuse it."""
+    refused = method.refusing_modes()
+    if not refused:
+        return method.summary
+    return f"{method.summary} (refused under --data-parallel {', '.join(refused)})"
+
+
 register_choices(
-    "optimizer", OPTIMIZER_CHOICES, {name: method.summary for name, method in METHODS.items()}
+    "optimizer", OPTIMIZER_CHOICES, {name: _choice_line(method) for name, method in METHODS.items()}
 )
 
 PRESETS: dict[str, Mapping[str, Mapping[str, object]]] = {

@@ -37,7 +37,6 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import CheckpointBytes, Method, Owners, PlanSizes, refuse_unused
 from torchrun_ddp.optim import build_optimizer
-from torchrun_ddp.parallel.modes import mode_class
 from torchrun_ddp.plan.communication import CommEstimate, Topology, estimate, label
 
 if TYPE_CHECKING:
@@ -80,8 +79,6 @@ class AdamWMethod(Method):
         a hook's flag given under a --compression that does not read it."""
         compression_settings(config)
         refuse_unused(config, given, COMPRESSION_FLAGS)
-        if config.optimizer == cls.name:
-            mode_class(config.data_parallel).check_comm_hook(config)
         if config.overlap_exchange and config.optimizer == cls.name:
             raise UserError(
                 "--overlap-exchange delays the exchange of --optimizer demo, diloco or "

@@ -126,6 +126,12 @@ class Method:
         self._optimizer: Optimizer | None = None
 
     @classmethod
+    def refusing_modes(cls) -> tuple[str, ...]:
+        """The ``--data-parallel`` modes that refuse this method (``--help`` says so, and the
+        plan's hints name only the others): none by default."""
+        return ()
+
+    @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
         """Raise UserError for values of this method's flags out of range (checked whatever
         --optimizer is, as every flag is) and, when ``config`` chooses this method, for flags that

@@ -14,7 +14,7 @@ from torchrun_ddp.compression import CompressionSettings, CompressionState, Shar
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import Method
-from torchrun_ddp.parallel.modes import mode_class
+from torchrun_ddp.parallel.modes import MODES, mode_class
 
 
 class ExchangingMethod(Method):
@@ -23,6 +23,12 @@ class ExchangingMethod(Method):
 
     node_aware: bool = True
     """Whether ``--compression-scope inter-node`` gives it a node-aware exchange."""
+
+    @classmethod
+    def refusing_modes(cls) -> tuple[str, ...]:
+        """The modes without replicas to exchange between
+        (``DataParallel.accepts_exchanging_methods``): fsdp."""
+        return tuple(mode.name for mode in MODES.values() if not mode.accepts_exchanging_methods)
 
     @classmethod
     def check_exchange(cls, config: TrainConfig) -> None:

@@ -12,14 +12,26 @@ shards over every rank, ``hsdp`` within groups of ``--shard-degree`` ranks, repl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
+
+from torchrun_ddp.compression.settings import CompressionSettings
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.plan.communication import (
+    CommEstimate,
+    CommSection,
+    Topology,
+    estimate,
+    hook_rows,
+    reference_methods,
+)
 
 if TYPE_CHECKING:
     from torchrun_ddp.checkpoint import StorageLayout
@@ -27,7 +39,6 @@ if TYPE_CHECKING:
     from torchrun_ddp.config import TrainConfig
     from torchrun_ddp.distributed import DistEnv
     from torchrun_ddp.model import ModelSpec
-    from torchrun_ddp.plan.communication import CommEstimate, Topology
     from torchrun_ddp.plan.memory import MemoryPlan, PlanRequest
 
 
@@ -73,6 +84,22 @@ class ExchangingRun(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A setting a mode refuses (``DataParallel.refusals``): config field ``field`` where
+    ``refuses(config, given)`` holds (``given``: the fields set on the command line or in the
+    config file, ``config_io.given_fields``). ``message``: the one line of the UserError, naming
+    what to use instead ({mode}: the mode, {value}: the field's value, {replicas} and {shard}:
+    the mesh); ``values``: the refused values as ``--help`` names them; ``one_replica``: refused
+    only on a mesh of one replica, checked once the ranks are known (``check_mesh``)."""
+
+    field: str
+    values: str
+    refuses: Callable[[TrainConfig, frozenset[str]], bool]
+    message: str
+    one_replica: bool = False
+
+
 class DataParallel:
     """One ``--data-parallel`` mode (subclasses name it in ``name``; ``modes.MODES`` is the
     table) on its mesh: ``world_size`` ranks, ``ranks_per_node`` of them on a node, and
@@ -86,6 +113,12 @@ class DataParallel:
     """``--data-parallel``'s value."""
     flags: ClassVar[tuple[str, ...]] = ()
     """Config fields only this mode reads; one given under another mode is refused."""
+    refusals: ClassVar[tuple[Refusal, ...]] = ()
+    """The settings this mode refuses (``check_config``, ``check_mesh``); ``--help`` names the
+    modes that refuse each (``modes.refusal_notes``)."""
+    accepts_exchanging_methods: ClassVar[bool] = True
+    """Whether an optimizer that exchanges between replicas itself (DeMo, DiLoCo, SparseLoCo,
+    MuLoCo) can run here (``check_exchanging_method``)."""
     sharded: ClassVar[bool] = False
     """Whether each rank holds a shard of the weights (FSDP2) rather than all of them."""
     replicate_dim: ClassVar[bool] = False
@@ -119,17 +152,52 @@ class DataParallel:
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
-        """Raise UserError for a setting that does not go with this mode (each subclass),
-        naming the mode that accepts it."""
+        """Raise UserError, one line naming the mode that accepts it, for the first of the
+        mode's ``refusals`` (but those that need the mesh) that ``config`` holds; ``given``: the
+        fields set on the command line or in the config file."""
+        for refusal in cls.refusals:
+            if not refusal.one_replica and refusal.refuses(config, given):
+                value = getattr(config, refusal.field)
+                raise UserError(refusal.message.format(mode=cls.name, value=value))
+
+    def check_mesh(self, config: TrainConfig) -> None:
+        """Raise UserError for a refusal that holds on this mesh only (one replica: a hook
+        across the replicas would exchange with nobody), naming what to use instead."""
+        if self.shape.replicate > 1:
+            return
+        for refusal in self.refusals:
+            if refusal.one_replica and refusal.refuses(config, frozenset()):
+                raise UserError(
+                    refusal.message.format(
+                        mode=self.name,
+                        value=getattr(config, refusal.field),
+                        replicas=self.shape.replicate,
+                        shard=self.shape.shard,
+                    )
+                )
 
     @classmethod
     def check_exchanging_method(cls, method: str, config: TrainConfig) -> None:
         """Raise UserError where ``method`` (DeMo, DiLoCo, SparseLoCo: an optimizer that
-        exchanges between replicas itself) cannot run under this mode."""
+        exchanges between replicas itself) cannot run under this mode
+        (``accepts_exchanging_methods``), naming the mode that accepts it."""
+        if cls.accepts_exchanging_methods:
+            return
+        raise UserError(
+            f"--optimizer {method} exchanges between replicas, and --data-parallel {cls.name} "
+            "has none; use --data-parallel hsdp (shards within a node, replicas across)"
+        )
 
     @classmethod
-    def check_comm_hook(cls, config: TrainConfig) -> None:
-        """Raise UserError where ``config``'s --compression comm hook cannot run here."""
+    def accepts_node_folders(cls, config: TrainConfig) -> bool:
+        """Whether ``config`` may keep a checkpoint folder per node under this mode (none of its
+        ``refusals`` refuses ``--checkpoint-storage node-local``): the checkpoint plan's
+        per-node rows apply."""
+        node_local = replace(config, checkpoint_storage="node-local")
+        return not any(
+            refusal.field == "checkpoint_storage" and refusal.refuses(node_local, frozenset())
+            for refusal in cls.refusals
+        )
 
     def check_storage(self, root: Path, storage: StorageLayout) -> None:
         """Raise UserError where a folder of ``storage`` (the checkpoint folders' domains)
@@ -212,16 +280,25 @@ class DataParallel:
         gradients it cannot shed ``floor_gib`` (each subclass)."""
         raise NotImplementedError
 
-    def traffic(
+    def communication(
         self,
         config: TrainConfig,
         shapes: Sequence[tuple[int, ...]],
         topo: Topology,
         method: PlannedMethod,
-    ) -> list[str]:
-        """Lines of the communication plan about the mode's own collectives (none for ddp: the
-        comm hooks' table is its traffic)."""
-        return []
+    ) -> CommSection:
+        """The communication plan's rows under this mode for the trained parameters of
+        ``shapes`` (ddp: the method's own rows, its --compression hook, then the reference
+        hooks, each once; every rank a whole replica, so the rows span all ranks)."""
+        sizes = [math.prod(shape) for shape in shapes]
+        bucket = config.ddp_bucket_cap_mb * 2**20
+        rows = method.communication_rows(list(shapes), topo)
+        hooks = [*method.plan_hooks(), *reference_methods(config.compression_block_size)]
+        rows += hook_rows(hooks, sizes, topo, shapes, bucket, [name for name, _ in rows])
+        run = method.step_estimate(list(shapes), topo, bucket)
+        name = next((name for name, comm in rows if comm == run), method.describe())
+        dense = estimate(CompressionSettings("none"), sizes, topo, shapes, bucket)
+        return CommSection([], rows, dense, run, f"the {name} row")
 
 
 class PlannedMethod(Protocol):
@@ -233,6 +310,16 @@ class PlannedMethod(Protocol):
 
     def describe(self) -> str:
         """The method for tables."""
+        ...
+
+    def plan_hooks(self) -> list[CompressionSettings]:
+        """Its comm hooks (AdamW's --compression), planned as DDP's."""
+        ...
+
+    def communication_rows(
+        self, shapes: list[tuple[int, ...]], topo: Topology
+    ) -> list[tuple[str, CommEstimate]]:
+        """Its own exchange's rows."""
         ...
 
     def step_estimate(

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torchrun_ddp.compression import ShardedExchange
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import PRECISION_DTYPES, compile_blocks, trainable_parameter_sizes
-from torchrun_ddp.parallel.base import Built, DataParallel, ExchangingRun, MeshShape
+from torchrun_ddp.parallel.base import Built, DataParallel, ExchangingRun, MeshShape, Refusal
 from torchrun_ddp.parallel.sharding import (
     ShardedUnits,
     build_mesh,
@@ -50,7 +50,7 @@ from torchrun_ddp.parallel.sharding import (
     shard_from_rank0,
 )
 from torchrun_ddp.parallel.shards import full_tensor
-from torchrun_ddp.parallel.traffic import sharded_traffic
+from torchrun_ddp.parallel.traffic import sharded_communication
 from torchrun_ddp.plan.memory import sharded_lora_plan, sharded_plan
 
 if TYPE_CHECKING:
@@ -59,17 +59,88 @@ if TYPE_CHECKING:
     from torchrun_ddp.distributed import DistEnv
     from torchrun_ddp.model import ModelSpec
     from torchrun_ddp.parallel.base import PlannedMethod
-    from torchrun_ddp.plan.communication import Topology
+    from torchrun_ddp.plan.communication import CommSection, Topology
     from torchrun_ddp.plan.memory import MemoryPlan, PlanRequest
 
 log = logging.getLogger("torchrun_ddp")
 
-_NOT_SHARDED = {
-    "zero1": "--zero1 shards AdamW's state over DDP replicas; --data-parallel {dp} already "
-    "shards it with the weights and gradients: drop --zero1",
-    "ddp_static_graph": "--ddp-static-graph is a DDP setting; drop it under --data-parallel {dp}",
-}
-"""Flags refused under --data-parallel fsdp/hsdp -> the one line that says so ({dp}: the mode)."""
+SHARDED_REFUSALS = (
+    Refusal(
+        "zero1", "true", lambda config, given: config.zero1,
+        "--zero1 shards AdamW's state over DDP replicas; --data-parallel {mode} already shards "
+        "it with the weights and gradients: drop --zero1",
+    ),
+    Refusal(
+        "ddp_static_graph", "true", lambda config, given: config.ddp_static_graph,
+        "--ddp-static-graph is a DDP setting and does nothing under --data-parallel {mode}; drop "
+        "it, or use --data-parallel ddp",
+    ),
+    Refusal(
+        "gradient_as_bucket_view", "given",
+        lambda config, given: "gradient_as_bucket_view" in given,
+        "--gradient-as-bucket-view makes gradients views of DDP's buckets and does nothing under "
+        "--data-parallel {mode} (FSDP keeps gradient shards of its own); drop it, or use "
+        "--data-parallel ddp",
+    ),
+    Refusal(
+        "compression_scope", "inter-node",
+        lambda config, given: config.compression_scope != "global",
+        "--compression-scope {value} is a DDP comm-hook setting; use --compression-scope global "
+        "under --data-parallel {mode}",
+    ),
+    Refusal(
+        "eval_multiple_choice", "a file", lambda config, given: bool(config.eval_multiple_choice),
+        "--eval-multiple-choice is not supported under --data-parallel {mode} yet (ranks score "
+        "different numbers of questions, and FSDP's forward is collective); use --data-parallel "
+        "ddp or drop --eval-multiple-choice",
+    ),
+)  # fmt: skip
+"""What both sharded modes refuse: DDP's and ZeRO-1's settings, a node-aware comm hook, and
+multiple-choice evaluation."""
+
+FSDP_REFUSALS = (
+    Refusal(
+        "compression", "other than none", lambda config, given: config.compression != "none",
+        "--compression {value} compresses the exchange between replicas, and --data-parallel "
+        "{mode} has none (FSDP reduce-scatters the gradients over every rank); use "
+        "--data-parallel hsdp, or --compression none",
+    ),
+    Refusal(
+        "ddp_bucket_cap_mb", "given", lambda config, given: "ddp_bucket_cap_mb" in given,
+        "--ddp-bucket-cap-mb sizes DDP's gradient buckets and does nothing under --data-parallel "
+        "{mode} (FSDP reduce-scatters unit by unit); drop it, or use --data-parallel ddp (or "
+        "hsdp with a --compression hook, whose buckets it sizes)",
+    ),
+    Refusal(
+        "checkpoint_storage", "node-local",
+        lambda config, given: config.checkpoint_storage == "node-local",
+        "--checkpoint-storage node-local needs every node's folder to hold a whole copy, and "
+        "--data-parallel {mode} shards over every node; use --data-parallel hsdp (a replica per "
+        "node) or a shared folder",
+    ),
+)  # fmt: skip
+"""What fsdp refuses beyond ``SHARDED_REFUSALS``: a comm hook (no replicas), DDP's bucket size,
+a folder per node (no folder would hold whole shard groups)."""
+
+HSDP_REFUSALS = (
+    Refusal(
+        "ddp_bucket_cap_mb", "given without a --compression hook",
+        lambda config, given: "ddp_bucket_cap_mb" in given and config.compression == "none",
+        "--ddp-bucket-cap-mb sizes DDP's buckets and those of a --compression hook across hsdp's "
+        "replicas, and does nothing under --data-parallel {mode} with --compression none; drop "
+        "it, or use --data-parallel ddp or a --compression hook",
+    ),
+    Refusal(
+        "compression", "other than none", lambda config, given: config.compression != "none",
+        "--compression {value} compresses the exchange across hsdp's replicas, and this mesh has "
+        "{replicas} replica of {shard} ranks (--shard-degree, or a node's ranks), so it would "
+        "exchange with none; use --data-parallel ddp for a comm hook on one node, more replicas "
+        "(a smaller --shard-degree, or more nodes), or --compression none",
+        one_replica=True,
+    ),
+)  # fmt: skip
+"""What hsdp refuses beyond ``SHARDED_REFUSALS``: DDP's bucket size where no hook reads it, and
+a comm hook on a mesh of one replica."""
 
 
 class FSDP(DataParallel):
@@ -77,6 +148,8 @@ class FSDP(DataParallel):
 
     name = "fsdp"
     sharded = True
+    refusals = SHARDED_REFUSALS + FSDP_REFUSALS
+    accepts_exchanging_methods = False
     spec: ModelSpec | None = None
     """What ``build`` built (for a host copy at the export)."""
 
@@ -90,57 +163,6 @@ class FSDP(DataParallel):
         be equal after a resume. fsdp: every rank alone."""
         world = self.shape.replicate * self.shape.shard
         return [list(range(index, world, self.shape.shard)) for index in range(self.shape.shard)]
-
-    @classmethod
-    def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
-        """Settings a sharded model does not take: ZeRO-1, DDP's static graph, a node-aware comm
-        hook, multiple-choice evaluation; fsdp also a folder per node (no folder would hold whole
-        shard groups)."""
-        mode = cls.name
-        for name, message in _NOT_SHARDED.items():
-            if getattr(config, name):
-                raise UserError(message.format(dp=mode))
-        if config.compression_scope != "global":
-            raise UserError(
-                f"--compression-scope {config.compression_scope} is a DDP comm-hook setting; use "
-                f"--compression-scope global under --data-parallel {mode}"
-            )
-        if config.eval_multiple_choice:
-            raise UserError(
-                f"--eval-multiple-choice is not supported under --data-parallel {mode} yet "
-                "(ranks score different numbers of questions, and FSDP's forward is collective); "
-                "use --data-parallel ddp or drop --eval-multiple-choice"
-            )
-        cls.check_storage_setting(config)
-
-    @classmethod
-    def check_storage_setting(cls, config: TrainConfig) -> None:
-        """fsdp: a folder per node cannot hold whole shard groups."""
-        if config.checkpoint_storage == "node-local":
-            raise UserError(
-                "--checkpoint-storage node-local needs every node's folder to hold a whole copy, "
-                "and --data-parallel fsdp shards over every node; use --data-parallel hsdp (a "
-                "replica per node) or a shared folder"
-            )
-
-    @classmethod
-    def check_exchanging_method(cls, method: str, config: TrainConfig) -> None:
-        """fsdp has no replicas for DeMo, DiLoCo or SparseLoCo to exchange between."""
-        raise UserError(
-            f"--optimizer {method} exchanges between replicas, and --data-parallel {cls.name} "
-            "has none; use --data-parallel hsdp (shards within a node, replicas across)"
-        )
-
-    @classmethod
-    def check_comm_hook(cls, config: TrainConfig) -> None:
-        """fsdp has no exchange between replicas for a comm hook to compress."""
-        if config.compression == "none":
-            return
-        raise UserError(
-            f"--compression {config.compression} compresses the exchange between replicas, "
-            f"and --data-parallel {cls.name} has none (FSDP reduce-scatters the gradients over "
-            "every rank); use --data-parallel hsdp, or --compression none"
-        )
 
     def check_storage(self, root: Path, storage: StorageLayout) -> None:
         """Raise UserError when a checkpoint folder would hold only part of a shard group."""
@@ -246,16 +268,16 @@ class FSDP(DataParallel):
             "more memory"
         )
 
-    def traffic(
+    def communication(
         self,
         config: TrainConfig,
         shapes: Sequence[tuple[int, ...]],
         topo: Topology,
         method: PlannedMethod,
-    ) -> list[str]:
-        """FSDP's bytes per rank and step (``sharded_traffic``), and with a method on hsdp's
-        replicas its bytes across them."""
-        return sharded_traffic(self, config, shapes, topo, method)
+    ) -> CommSection:
+        """FSDP's collectives within the shard groups, and under hsdp what crosses between the
+        replicas (``traffic.sharded_communication``)."""
+        return sharded_communication(self, config, shapes, topo, method)
 
 
 class HSDP(FSDP):
@@ -264,6 +286,8 @@ class HSDP(FSDP):
     name = "hsdp"
     flags = ("shard_degree",)
     replicate_dim = True
+    refusals = SHARDED_REFUSALS + HSDP_REFUSALS
+    accepts_exchanging_methods = True
 
     @classmethod
     def mesh_shape(cls, world_size: int, ranks_per_node: int, shard_degree: int = 0) -> MeshShape:
@@ -280,21 +304,8 @@ class HSDP(FSDP):
             )
         return MeshShape(world_size // degree, degree)
 
-    @classmethod
-    def check_storage_setting(cls, config: TrainConfig) -> None:
-        """hsdp: a folder per node holds its replicas when a shard group stays in a node
-        (checked at start, ``check_storage``)."""
-
-    @classmethod
-    def check_exchanging_method(cls, method: str, config: TrainConfig) -> None:
-        """Each replica is a worker of the method's exchange: nothing to refuse."""
-
     def new_exchange_group(self) -> dist.ProcessGroup:
         """Collective: a new group over this rank's replicas (the ranks holding its shards, one
         per replicate group), every rank building every replicate group's."""
         group, _ = dist.new_subgroups_by_enumeration(self.replica_groups())
         return group
-
-    @classmethod
-    def check_comm_hook(cls, config: TrainConfig) -> None:
-        """A comm hook compresses the exchange across hsdp's replicas."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from torchrun_ddp.config_fields import register_note
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.parallel.base import DataParallel, MeshShape
 from torchrun_ddp.parallel.ddp import DDP
@@ -34,8 +35,12 @@ def mode_class(name: str) -> type[DataParallel]:
 def mode_for(config: TrainConfig, world_size: int, ranks_per_node: int) -> DataParallel:
     """The mode ``config`` chooses, for ``world_size`` ranks of which ``ranks_per_node`` share
     a node (a plan passes --plan-gpus-per-node); raises UserError where its mesh does not
-    divide the ranks."""
-    return mode_class(config.data_parallel)(world_size, ranks_per_node, config.shard_degree)
+    divide the ranks, or holds a setting the mesh refuses (``DataParallel.check_mesh``; a dry
+    run checks the planned mesh instead, ``dry_run.dry_run``)."""
+    mode = mode_class(config.data_parallel)(world_size, ranks_per_node, config.shard_degree)
+    if not config.dry_run:
+        mode.check_mesh(config)
+    return mode
 
 
 def mesh_shape(
@@ -60,6 +65,31 @@ def check_modes(config: TrainConfig, given: frozenset[str] = frozenset()) -> Non
                     f"not {mode.name}"
                 )
     mode.check_config(config, given)
+
+
+def refusal_notes() -> dict[str, str]:
+    """Config field -> the sentence ``--help`` adds to it: the modes that refuse it and which
+    of its values (``DataParallel.refusals``; a mode's own ``flags`` under the others), e.g.
+    ``Refused under --data-parallel fsdp, hsdp (true).``"""
+    refused: dict[str, dict[str, list[str]]] = {}
+    for mode in MODES.values():
+        for refusal in mode.refusals:
+            when = " with one replica" if refusal.one_replica else ""
+            values = refused.setdefault(refusal.field, {})
+            values.setdefault(refusal.values, []).append(mode.name + when)
+        for other in MODES.values():
+            for flag in (flag for flag in other.flags if flag not in mode.flags):
+                refused.setdefault(flag, {}).setdefault("other than 0", []).append(mode.name)
+    return {
+        field: "Refused under --data-parallel "
+        + "; ".join(f"{', '.join(modes)} ({values})" for values, modes in by_values.items())
+        + "."
+        for field, by_values in refused.items()
+    }
+
+
+for _field, _note in refusal_notes().items():
+    register_note(_field, _note)
 
 
 def gradient_sync_off(model: torch.nn.Module) -> AbstractContextManager[None]:

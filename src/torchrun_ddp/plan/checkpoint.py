@@ -68,3 +68,21 @@ def checkpoint_table(sizes: CheckpointSizes, config: TrainConfig, world: int, pe
         time = "" if seconds is None else f"{seconds:.1f}"
         lines.append(f"| {name} | {nbytes / GIB:.2f} | {time} |")
     return "\n".join(lines)
+
+
+def shared_checkpoint_table(sizes: CheckpointSizes, world: int, mode: str) -> str:
+    """The checkpoint plan where the mode keeps one shared folder only (fsdp: a folder per node
+    would hold part of a shard group): the whole checkpoint, each of ``world`` ranks writing its
+    1/W share of the sharded state and its own files, as a Markdown table in GiB."""
+    whole = sizes.replicated + world * sizes.per_rank
+    title = (
+        f"checkpoints in one shared folder (--data-parallel {mode} refuses a folder per node): "
+        f"{world} ranks"
+    )
+    rows = [
+        ("a checkpoint: model and optimizer state, sharded, and the ranks' own", whole),
+        ("one rank writes: its shard and its own state", sizes.replicated / world + sizes.per_rank),
+    ]
+    lines = [f"| {title} | GiB |", "|---|---:|"]
+    lines += [f"| {name} | {nbytes / GIB:.2f} |" for name, nbytes in rows]
+    return "\n".join(lines)

@@ -261,28 +261,76 @@ def _ratio(dense: float, sent: float) -> str:
     return f"{dense / sent:.3g}x" if sent else "-"
 
 
-def communication_table(
+def hook_rows(
     methods: Sequence[CompressionSettings],
     sizes: Sequence[int],
     topo: Topology,
-    compute_s: float,
-    first: Sequence[tuple[str, CommEstimate]] = (),
     shapes: Sequence[tuple[int, ...]] = (),
     bucket_bytes: float = DDP_BUCKET_BYTES,
+    skip: Sequence[str] = (),
+) -> list[tuple[str, CommEstimate]]:
+    """(label, :func:`estimate`) of each comm hook of ``methods``, each label once, leaving out
+    those in ``skip`` (rows the table already has). ``shapes`` and ``bucket_bytes`` as for
+    :func:`estimate`."""
+    rows: list[tuple[str, CommEstimate]] = []
+    for settings in methods:
+        name = label(settings)
+        if name not in skip and name not in (row for row, _ in rows):
+            rows.append((name, estimate(settings, sizes, topo, shapes, bucket_bytes)))
+    return rows
+
+
+@dataclass(frozen=True)
+class CommSection:
+    """A mode's part of the communication plan: ``lines`` above the table, its ``rows``
+    (name, estimate per optimizer step), the ``dense`` fp32 all-reduce the ratio columns
+    compare with, and ``run``: this run's communication per optimizer step (``run_name``: the
+    rows it sums), the figure the plan's headline gives."""
+
+    lines: list[str]
+    rows: list[tuple[str, CommEstimate]]
+    dense: CommEstimate
+    run: CommEstimate
+    run_name: str
+
+
+def combined(first: CommEstimate, second: CommEstimate) -> CommEstimate:
+    """Two exchanges of one step one after the other (FSDP's within its groups, then the
+    replicas'): bytes and seconds added."""
+    return replace(
+        first,
+        wire_bytes=first.wire_bytes + second.wire_bytes,
+        uplink_bytes=first.uplink_bytes + second.uplink_bytes,
+        seconds=first.seconds + second.seconds,
+        overlaps=first.overlaps and second.overlaps,
+    )
+
+
+def run_line(section: CommSection, topo: Topology) -> str:
+    """The plan's one cross-node figure: this run's bytes per optimizer step (a sync's share of
+    a step where the method syncs every H steps, as its row says) per rank and through a
+    node's uplink, the rows it sums, and their link time."""
+    run = section.run
+    where = (
+        f"{run.uplink_bytes / 1e6:.4g} MB through each node's uplink (the table's uplink column)"
+        if topo.nodes > 1
+        else "nothing crosses nodes (one node)"
+    )
+    return (
+        "this run, per optimizer step: "
+        f"{run.wire_bytes / 1e6:.4g} MB sent per rank, {where}; {run.seconds:.4g} s on the "
+        f"links ({section.run_name})"
+    )
+
+
+def communication_table(
+    rows: Sequence[tuple[str, CommEstimate]], dense: CommEstimate, compute_s: float
 ) -> str:
-    """Markdown table, one row per method (``first``: named rows above them, such as DeMo's
-    :func:`demo_estimate` or :func:`local_update_estimates`): wire bytes per rank per step,
-    uplink bytes, ratio against a dense fp32 ring all-reduce at this world size, link time,
-    whether it hides behind backward (``compute_s * 2 / 3``) and the predicted step time. Two
-    ratios against a dense fp32 ring all-reduce: of the wire bytes on all links, and of the
-    bytes over a node's uplink (``-`` on one node), the one that matters on slow links between
-    nodes. ``shapes`` and ``bucket_bytes`` as for :func:`estimate`."""
-    dense = estimate(CompressionSettings("none"), sizes, topo, shapes, bucket_bytes)
-    rows = list(first)
-    rows += [
-        (label(settings), estimate(settings, sizes, topo, shapes, bucket_bytes))
-        for settings in methods
-    ]
+    """Markdown table, one row per (name, estimate) of ``rows``: wire bytes per rank per step,
+    uplink bytes, ratio against ``dense`` (a dense fp32 ring all-reduce at this world size),
+    link time, whether it hides behind backward (``compute_s * 2 / 3``) and the predicted step
+    time. Two ratios against ``dense``: of the wire bytes on all links, and of the bytes over a
+    node's uplink (``-`` on one node), the one that matters on slow links between nodes."""
     lines = [
         "| method | wire MB/rank/step | uplink MB/step | ratio (wire) | ratio (uplink) | comm s "
         "| hides behind backward | step s |",
@@ -306,13 +354,17 @@ def _table_row(name: str, comm: CommEstimate, dense: CommEstimate, compute_s: fl
 
 __all__ = [
     "CommEstimate",
+    "CommSection",
     "Topology",
+    "combined",
     "communication_table",
     "demo_estimate",
     "estimate",
+    "hook_rows",
     "label",
     "local_update_estimates",
     "predicted_step_seconds",
     "reference_methods",
+    "run_line",
     "state_bytes",
 ]

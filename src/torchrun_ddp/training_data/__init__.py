@@ -57,6 +57,7 @@ from torchrun_ddp.training_data.global_order import (
     GlobalPackedWindows,
     fresh_position,
     reshard_positions,
+    windows_per_rank,
 )
 from torchrun_ddp.training_data.heldout import PackedWindows, build_loader, eval_batches
 from torchrun_ddp.training_data.hub import hub_format
@@ -113,4 +114,5 @@ __all__ = [
     "reshard_positions",
     "resolve_files",
     "shard_for_rank",
+    "windows_per_rank",
 ]

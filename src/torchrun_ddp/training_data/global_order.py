@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -280,15 +281,21 @@ class GlobalPackedWindows(torch.utils.data.IterableDataset):
         function of the seed and the position): the data position of a rank whose own saved
         state is lost, exact where the world size never changed. Costs reading and tokenising
         that rank's share of the stream up to there."""
+        twin = self.twin(rank, world_size)
+        for _ in zip(range(windows), twin, strict=False):
+            pass
+        return twin.state_dict()
+
+    def twin(self, rank: int, world_size: int) -> GlobalPackedWindows:
+        """The same order's windows of ``rank`` of ``world_size``, from the start, quiet about
+        bad records (this rank's own reader reports them)."""
         documents, tokenizer, seq_length, epochs, shuffle_buffer, seed = self.settings
         twin = GlobalPackedWindows(
             documents, tokenizer, seq_length, rank, world_size, epochs, shuffle_buffer, seed,
             self.max_bad_records, self.fmt,
         )  # fmt: skip
         twin.blocks.report_bad = False
-        for _ in zip(range(windows), twin, strict=False):
-            pass
-        return twin.state_dict()
+        return twin
 
 
 def reshard_positions(
@@ -350,3 +357,15 @@ def _reader_before(
     limit = (target[0], target[1] // block_size)
     fitting = [r for r in readers if (int(r["epoch"]), int(r["block"])) <= limit]
     return max(fitting, key=lambda r: (int(r["epoch"]), int(r["block"])), default=None)
+
+
+def windows_per_rank(
+    windows: GlobalPackedWindows, world_size: int, limit: int = sys.maxsize
+) -> list[int]:
+    """The windows each of ``world_size`` ranks packs from ``windows``' documents over its
+    epochs, as training reads them (the same global order and round robin, each rank its own
+    ``GlobalPackedWindows.twin``): what the plan's run length ends on. Each rank stops
+    counting at ``limit``. Reads the stream once per rank and tokenises each document once in
+    all."""
+    twins = [windows.twin(rank, world_size) for rank in range(world_size)]  # each from the start
+    return [sum(1 for _ in zip(range(limit), twin, strict=False)) for twin in twins]
