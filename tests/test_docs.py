@@ -1,12 +1,17 @@
 """README.md and docs/ stay true to the code.
 
-Checked without training anything (a few seconds): every relative link and image resolves (and
+Checked without training anything: every relative link and image resolves (and
 its #anchor, where it names one, is a heading of the target page); every `--flag` of a shown
 command exists in that program's parser (train.py through run.sh, sbatch or torchrun, torchrun
 itself, the benchmark scripts, ``python -m torchrun_ddp.plot`` / ``.config_docs``), and every bare
 `--flag` in inline code exists in one of them; every repository path named in inline code
-exists; every config file the docs name parses with the project's own loaders; and
-docs/configuration.md is what ``torchrun_ddp.config_docs`` generates from TrainConfig.
+exists; every config file the docs name parses with the project's own loaders;
+docs/configuration.md and every ``<!-- generated: COMMAND -->`` block are what
+docs/regenerate.py writes now; and every ``train.py`` command shown (through ``python``,
+``torchrun``, run.sh or sbatch, with the cluster its variables describe) passes ``--dry-run``
+and fits the GPUs its comment names. The dry runs run in this process (``regenerate.run``,
+cached per command), about a minute on 2 quiet cores, most of it counting the bundled data's
+tokens for each tiny-config command.
 
 Parsers are built in this process, never by spawning the scripts: train.py's comes from
 ``config_io.build_parser``; a script's is captured at its first ``parse_args`` call, which is made
@@ -33,6 +38,7 @@ from torch.distributed.run import get_args_parser
 from torchrun_ddp import config_docs, plot
 from torchrun_ddp.config import field_names
 from torchrun_ddp.config_io import build_parser, parse_config
+from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import load_model_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -389,8 +395,9 @@ def leaves_repository(doc: DocCommand) -> bool:
 
 
 def dry_run_args(doc: DocCommand, root: Path) -> tuple[str, ...]:
-    """The command's arguments with --dry-run, the claimed device's memory, and absolute
-    output or checkpoint folders moved under ``root`` (the reader's paths, not this machine's)."""
+    """The command's arguments with --dry-run, absolute output or checkpoint folders moved under
+    ``root`` (the reader's paths, not this machine's), and the memory of the device the comment
+    names in place of the command's own --device-memory-gib (a 24 GB card as 22.35 GiB)."""
     args = list(doc.command.args)
     for index, arg in enumerate(args[:-1]):
         if arg in PATH_FLAGS and args[index + 1].startswith("/"):
@@ -574,3 +581,21 @@ def test_a_method_that_ddp_cannot_fit_is_pointed_at_the_mode_that_takes_it() -> 
     assert "hsdp for a --compression hook or --optimizer demo, diloco, sparseloco" in hint, hint
     hsdp = regenerate.run("train.py", (*base, "--data-parallel", "hsdp"), env)
     assert "| verdict | fits" in hsdp.stdout, hsdp.stdout[-2000:]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp"])
+def test_the_7b_config_carries_nothing_a_mode_or_method_refuses(mode: str) -> None:
+    """configs/llama2_7b.toml parses (every refusal of config_checks and the modes included)
+    under each --data-parallel mode with each --optimizer the mode accepts at all, so a
+    command adds its mode and method and undoes nothing; the DDP config with ZeRO-1 and a hook
+    is refused by the sharded modes, as its comment says."""
+    config = str(REPO / "configs" / "llama2_7b.toml")
+    methods = ["adamw"] if mode == "fsdp" else ["adamw", "demo", "diloco", "sparseloco", "muloco"]
+    for method in methods:
+        run = parse_config(["--config", config, "--data-parallel", mode, "--optimizer", method])
+        assert (run.data_parallel, run.optimizer) == (mode, method)
+        assert not run.zero1 and run.compression == "none"
+    if mode != "ddp":
+        with pytest.raises(UserError, match="--zero1"):
+            parse_config(["--config", str(REPO / "configs" / "llama2_7b_ddp_dct.toml"),
+                          "--data-parallel", mode])  # fmt: skip
