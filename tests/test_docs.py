@@ -1,12 +1,17 @@
 """README.md and docs/ stay true to the code.
 
-Checked without training anything (a few seconds): every relative link and image resolves (and
+Checked without training anything: every relative link and image resolves (and
 its #anchor, where it names one, is a heading of the target page); every `--flag` of a shown
 command exists in that program's parser (train.py through run.sh, sbatch or torchrun, torchrun
 itself, the benchmark scripts, ``python -m torchrun_ddp.plot`` / ``.config_docs``), and every bare
 `--flag` in inline code exists in one of them; every repository path named in inline code
-exists; every config file the docs name parses with the project's own loaders; and
-docs/configuration.md is what ``torchrun_ddp.config_docs`` generates from TrainConfig.
+exists; every config file the docs name parses with the project's own loaders;
+docs/configuration.md and every ``<!-- generated: COMMAND -->`` block are what
+docs/regenerate.py writes now; and every ``train.py`` command shown (through ``python``,
+``torchrun``, run.sh or sbatch, with the cluster its variables describe) passes ``--dry-run``
+and fits the GPUs its comment names. The dry runs run in this process (``regenerate.run``,
+cached per command), about a minute on 2 quiet cores, most of it counting the bundled data's
+tokens for each tiny-config command.
 
 Parsers are built in this process, never by spawning the scripts: train.py's comes from
 ``config_io.build_parser``; a script's is captured at its first ``parse_args`` call, which is made
@@ -16,13 +21,16 @@ to raise before anything else runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import runpy
 import shlex
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from torch.distributed.run import get_args_parser
@@ -30,6 +38,7 @@ from torch.distributed.run import get_args_parser
 from torchrun_ddp import config_docs, plot
 from torchrun_ddp.config import field_names
 from torchrun_ddp.config_io import build_parser, parse_config
+from torchrun_ddp.errors import UserError
 from torchrun_ddp.model import load_model_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +59,19 @@ SEPARATORS = {"&&", "||", ";", "|"}
 EXTERNAL = {"sbatch", "srun", "pytest", "tensorboard", "hf", "pip", "git", "uv sync"}
 """Programs whose flags are their own business (flags after them are not checked)."""
 MODULES = {"torchrun_ddp.plot": "plot", "torchrun_ddp.config_docs": "config_docs"}
+
+
+def _load_regenerate() -> ModuleType:
+    """docs/regenerate.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("regenerate", REPO / "docs" / "regenerate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["regenerate"] = module  # dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    return module
+
+
+regenerate = _load_regenerate()
 
 
 # --- Markdown -------------------------------------------------------------------------------
@@ -246,6 +268,154 @@ def unknown_flags(page: Path) -> list[str]:
     return unknown
 
 
+# --- documented train.py commands and their dry runs ---------------------------------------
+
+DEVICE = re.compile(
+    r"\b(?:(?P<nodes>\d+) x )?(?:(?P<gpus>\d+) x |one )(?P<size>\d+) (?P<unit>GiB|GB)\b"
+)
+"""A device a command's comment names: ``2 x 8 x 80 GiB``, ``8 x 24 GB``, ``one 24 GB``."""
+CODE_SPAN = re.compile(r"`(?P<code>[^`]+)`")
+"""An inline code span, which may wrap onto the next lines."""
+PROGRAMS = ("train.py", "run.sh", "train.sbatch")
+PATH_FLAGS = {"--output-dir", "--checkpoint-dir"}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The device a command's comment says it fits: GPUs (nodes x per node) of ``gib``."""
+
+    gpus: int | None
+    gib: float
+
+
+@dataclass(frozen=True)
+class DocCommand:
+    """A train.py command shown on a page, where, and the device its comment says it fits."""
+
+    page: str
+    line: int
+    text: str
+    command: regenerate.Command
+    claim: Claim | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def claim_of(comment: str) -> Claim | None:
+    """The device ``comment`` names (the last one), None where it names none or says the
+    command does not fit. GB are decimal (24 GB = 22.35 GiB), GiB binary."""
+    devices = list(DEVICE.finditer(comment))
+    if not devices or "not fit" in comment:
+        return None
+    device = devices[-1]
+    size = float(device.group("size"))
+    gib = size if device.group("unit") == "GiB" else round(size * 1e9 / 2**30, 2)
+    gpus = int(device.group("gpus") or 1) * int(device.group("nodes") or 1)
+    return Claim(gpus, gib)
+
+
+def block_lines(body: str, first: int) -> Iterator[tuple[int, str, str]]:
+    """(line number, logical line, the comment lines just above it and its own comment) of a
+    shell block's lines; a line ending in a backslash continues on the next."""
+    comments: list[str] = []
+    logical, start = "", first
+    for number, raw in enumerate(body.splitlines(), start=first):
+        stripped = raw.strip()
+        if not logical and stripped.startswith("#"):
+            comments.append(stripped)
+            continue
+        logical, start = (logical + " " + stripped, start) if logical else (stripped, number)
+        if logical.endswith("\\"):
+            logical = logical[:-1]
+            continue
+        own = logical.partition(" #")[2]
+        yield start, logical, " ".join([*comments, own])
+        comments, logical = [], ""
+
+
+def shell_blocks(text: str) -> Iterator[tuple[int, str]]:
+    """(number of the first body line, body) of each fenced shell block of ``text``."""
+    lang: str | None = None
+    body: list[str] = []
+    first = 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        fence = FENCE.match(line.strip())
+        if lang is None and fence:
+            lang, body, first = fence.group("lang"), [], number + 1
+        elif lang is not None and line.strip() == "```":
+            if lang in SHELL_LANGS:
+                yield first, "\n".join(body)
+            lang = None
+        elif lang is not None:
+            body.append(line)
+
+
+def page_commands(page: Path) -> list[DocCommand]:
+    """The train.py commands of a page: its shell blocks' lines (the comment's device as a
+    claim) and its inline code spans (no claim)."""
+    name = str(page.relative_to(REPO))
+    text = page.read_text()
+    found = []
+    for first, body in shell_blocks(text):
+        for line, logical, comment in block_lines(body, first):
+            if not any(program in logical for program in PROGRAMS):
+                continue
+            command = regenerate.parse_command(logical)
+            if command and command.program == "train.py":
+                found.append(DocCommand(name, line, logical, command, claim_of(comment)))
+    prose, _ = split_fences(text)
+    for match in CODE_SPAN.finditer(prose):
+        code = " ".join(match.group("code").split())
+        if not any(program in code for program in PROGRAMS):
+            continue
+        command = regenerate.parse_command(code)
+        if command and command.program == "train.py":
+            line = prose.count("\n", 0, match.start()) + 1
+            found.append(DocCommand(name, line, code, command, None))
+    return found
+
+
+DOC_COMMANDS = [command for page in PAGES for command in page_commands(page)]
+
+
+def leaves_repository(doc: DocCommand) -> bool:
+    """The command reads files beside the repository (the developers' larger data set), which
+    only benchmarks may read."""
+    return any(arg.startswith("..") for arg in doc.command.args)
+
+
+def dry_run_args(doc: DocCommand, root: Path) -> tuple[str, ...]:
+    """The command's arguments with --dry-run, absolute output or checkpoint folders moved under
+    ``root`` (the reader's paths, not this machine's), and the memory of the device the comment
+    names in place of the command's own --device-memory-gib (a 24 GB card as 22.35 GiB)."""
+    args = list(doc.command.args)
+    for index, arg in enumerate(args[:-1]):
+        if arg in PATH_FLAGS and args[index + 1].startswith("/"):
+            args[index + 1] = str(root / args[index + 1].lstrip("/"))
+    if "--dry-run" not in args:
+        args.append("--dry-run")
+    if doc.claim is None:
+        return tuple(args)
+    if "--device-memory-gib" in args:  # checked at the size the comment names
+        del args[args.index("--device-memory-gib") : args.index("--device-memory-gib") + 2]
+    return (*args, "--device-memory-gib", f"{doc.claim.gib:g}")
+
+
+def check_claim(doc: DocCommand, args: tuple[str, ...], plan: str) -> None:
+    """The plan says the command fits the device its comment names, on as many GPUs."""
+    assert doc.claim is not None
+    memory = float(args[args.index("--device-memory-gib") + 1])
+    assert memory == doc.claim.gib, f"{doc.id}: the comment names {doc.claim.gib} GiB"
+    plan_line = next(line for line in plan.splitlines() if line.startswith("plan per rank:"))
+    assert f"x {memory:g} GiB" in plan_line, plan_line
+    if doc.claim.gpus and doc.claim.gpus > 1 and len(doc.command.environments()) == 1:
+        assert f" {doc.claim.gpus} x {memory:g} GiB" in plan_line, f"{doc.id}: {plan_line}"
+    verdict = next(line for line in plan.splitlines() if line.startswith("| verdict |"))
+    assert "| fits" in verdict, f"{doc.id}: {doc.text}\n{plan}"
+
+
 # --- tests ----------------------------------------------------------------------------------
 
 
@@ -322,7 +492,8 @@ def test_readme_shows_the_main_commands_on_its_first_screen() -> None:
         "configs/llama2_7b_lora.toml",  # 7B LoRA
         "NODE_RANK=0",  # multi-node with run.sh
         "sbatch",  # SLURM
-        "--compression dct",  # slow link
+        "configs/llama2_7b_cross_site.toml",  # slow link: hsdp + dct
+        "--optimizer sparseloco",  # slow link
         "--optimizer demo",  # slow link
         "NNODES=1:4",  # elastic
         'pytest -q -m "not slow"',  # fast tier
@@ -347,3 +518,73 @@ def test_configuration_page_lists_every_option_in_a_section(tmp_path: Path) -> N
         for flag in hyphenated:
             if flag not in {"-h", "--help"}:
                 assert flag in spans, f"{flag} is missing from the configuration page"
+
+
+@pytest.fixture(scope="session")
+def reader_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where a command's absolute output and checkpoint folders are planned."""
+    return tmp_path_factory.mktemp("reader-root")
+
+
+@pytest.mark.parametrize("doc", DOC_COMMANDS, ids=[doc.id for doc in DOC_COMMANDS])
+def test_documented_command_dry_runs(doc: DocCommand, reader_root: Path) -> None:
+    """Every train.py command of README.md and docs/ dry-runs with status 0, at the cluster it
+    describes (each end of an elastic range), and fits the device its comment names."""
+    if leaves_repository(doc):
+        pytest.skip("reads the data beside the repository, which only benchmarks read")
+    args = dry_run_args(doc, reader_root)
+    for env in doc.command.environments():
+        result = regenerate.run("train.py", args, tuple(sorted(env.items())))
+        assert result.status == 0, f"{doc.id}: {doc.text}\n{result.stderr[-3000:]}"
+        if doc.claim:
+            check_claim(doc, args, result.stdout)
+
+
+def test_generated_parts_are_what_the_tool_prints_now() -> None:
+    """Every ``<!-- generated: COMMAND -->`` block of README.md and docs/ holds COMMAND's
+    output of this checkout (and docs/configuration.md the configuration page), so no pasted
+    plan or help text drifts from the tool."""
+    stale = [str(page.relative_to(REPO)) for page in regenerate.stale_pages()]
+    assert not stale, f"stale generated parts in {stale}: run `{regenerate.REGENERATE}`"
+
+
+def test_generated_blocks_are_checked_as_commands() -> None:
+    """The pages carry generated blocks, and each block's command is one of the documented
+    commands that test_documented_command_dry_runs runs (a block cannot hide a command)."""
+    commands = {doc.text for doc in DOC_COMMANDS}
+    blocks = [c for page in PAGES for c in regenerate.generated_commands(page.read_text())]
+    assert len(blocks) >= 3, blocks
+    for command in blocks:
+        assert command in commands, command
+
+
+def test_a_method_that_ddp_cannot_fit_is_pointed_at_the_mode_that_takes_it() -> None:
+    """SparseLoCo on 7B does not fit 80 GiB under DDP; the hint names hsdp for it (fsdp
+    refuses the method), and hsdp then fits (README's 2 x 8 x 80 GiB command)."""
+    env = tuple(sorted({**regenerate.SINGLE_PROCESS, "WORLD_SIZE": "16",
+                        "LOCAL_WORLD_SIZE": "8"}.items()))  # fmt: skip
+    base = ("--config", "configs/llama2_7b.toml", "--optimizer", "sparseloco", "--dry-run")
+    ddp = regenerate.run("train.py", (*base, "--device-memory-gib", "80"), env)
+    assert ddp.status == 0 and "does not fit" in ddp.stdout, ddp.stderr
+    hint = next(line for line in ddp.stdout.splitlines() if "no combination fits" in line)
+    assert "hsdp for a --compression hook or --optimizer demo, diloco, sparseloco" in hint, hint
+    hsdp = regenerate.run("train.py", (*base, "--data-parallel", "hsdp"), env)
+    assert "| verdict | fits" in hsdp.stdout, hsdp.stdout[-2000:]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp"])
+def test_the_7b_config_carries_nothing_a_mode_or_method_refuses(mode: str) -> None:
+    """configs/llama2_7b.toml parses (every refusal of config_checks and the modes included)
+    under each --data-parallel mode with each --optimizer the mode accepts at all, so a
+    command adds its mode and method and undoes nothing; the DDP config with ZeRO-1 and a hook
+    is refused by the sharded modes, as its comment says."""
+    config = str(REPO / "configs" / "llama2_7b.toml")
+    methods = ["adamw"] if mode == "fsdp" else ["adamw", "demo", "diloco", "sparseloco", "muloco"]
+    for method in methods:
+        run = parse_config(["--config", config, "--data-parallel", mode, "--optimizer", method])
+        assert (run.data_parallel, run.optimizer) == (mode, method)
+        assert not run.zero1 and run.compression == "none"
+    if mode != "ddp":
+        with pytest.raises(UserError, match="--zero1"):
+            parse_config(["--config", str(REPO / "configs" / "llama2_7b_ddp_dct.toml"),
+                          "--data-parallel", mode])  # fmt: skip

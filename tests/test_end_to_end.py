@@ -1,8 +1,8 @@
-"""The quick start, end to end: torchrun with 2 processes trains the tiny LLaMA of
-configs/tiny.toml on the bundled C4 sample, in a copy of the repository with nothing beside it
-(conftest.py's ``clone``), from an unrelated working directory. The stop at the end of uneven
-data runs on spawned ranks; train.py without torchrun (one process) is tests/test_faults.py's
-SIGTERM test."""
+"""The quick start, end to end: torchrun with 2 processes trains configs/quickstart.toml (as
+README.md's quick start runs it, plus --tensorboard) on the bundled C4 sample, in a copy of the
+repository with nothing beside it (conftest.py's ``clone``), from an unrelated working
+directory. The stop at the end of uneven data runs on spawned ranks; train.py without torchrun
+(one process) is tests/test_faults.py's SIGTERM test."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import gzip
 import json
 import math
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -35,18 +36,21 @@ from torchrun_ddp.training_data import load_tokenizer, resolve_files
 
 pytestmark = pytest.mark.slow  # trains the quick start under torchrun
 
-STEPS = 20
-
+QUICKSTART = tomllib.loads((REPO / "configs" / "quickstart.toml").read_text())
+STEPS, LOG_EVERY, EVAL_EVERY = (QUICKSTART[k] for k in ("max_steps", "log_every", "eval_every"))
+VOCAB = 4096
+"""configs/llama-8m's tokenizer, the quick start's: an untrained model's loss is ln 4096."""
 
 E2E = (
-    "--peak-tflops", "0", "--seq-length", "64", "--batch-size", "4", "--max-steps", str(STEPS),
+    "--peak-tflops", "0", "--seq-length", "64", "--batch-size", "4", "--max-steps", "20",
     "--warmup-steps", "5", "--learning-rate", "3e-3", "--log-every", "5", "--eval-every", "10",
     "--eval-batches", "4", "--tensorboard",
 )  # fmt: skip
-"""configs/tiny.toml shortened for a test: 20 steps of 2 x 4 x 64 tokens (at 128 tokens the run
-took 48.7 s against 34.8 s, one after the other on 2 cores, 2026-11-27); the MFU peak measured
-(or looked up on a GPU) as in a user's run. The data, tokenizer and output folder are the
-config's own (the bundled sample, ``outputs/tiny`` under the working directory)."""
+"""configs/tiny.toml shortened for the GPU tests (tests/test_gpu.py): 20 steps of 2 x 4 x 64
+tokens (at 128 tokens the end-to-end run took 48.7 s against 34.8 s, one after the other on 2
+cores, 2026-11-27); the MFU peak measured (or looked up on a GPU) as in a user's run. The data,
+tokenizer and output folder are the config's own (the bundled sample, ``outputs/tiny`` under the
+working directory)."""
 
 
 def e2e_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
@@ -59,14 +63,14 @@ def e2e_args(sample_data: Path, output_dir: Path, *extra: str) -> list[str]:
 def tiny_run(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output folder of the quick start's command, run from an empty working directory."""
     cwd = tmp_path_factory.mktemp("elsewhere")
-    args = ["--config", str(clone / "configs" / "tiny.toml"), *E2E]
+    args = ["--config", str(clone / "configs" / "quickstart.toml"), "--tensorboard"]
     command = torchrun_command(args, script=clone / "train.py")
     result = subprocess.run(
         command, cwd=cwd, env=clone_env(clone), capture_output=True, text=True, timeout=420,
         check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    output_dir = cwd / "outputs" / "tiny"  # output_dir is relative to the working directory
+    output_dir = cwd / "outputs" / "quickstart"  # output_dir is relative to the working directory
     (output_dir / "log.txt").write_text(result.stdout + result.stderr)
     return output_dir
 
@@ -80,7 +84,7 @@ def test_the_config_reads_the_bundled_sample_of_the_copy(clone: Path, tiny_run: 
 
 def test_metrics_have_the_documented_keys(tiny_run: Path) -> None:
     train = [r for r in metrics_records(tiny_run) if "loss" in r]
-    assert [r["step"] for r in train] == list(range(5, STEPS + 1, 5))
+    assert [r["step"] for r in train] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
     for record in train:
         for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "peak_mem_bytes"):
             assert key in record, key
@@ -95,20 +99,20 @@ def test_metrics_have_the_documented_keys(tiny_run: Path) -> None:
 def test_loss_falls_and_eval_is_finite(tiny_run: Path) -> None:
     records = metrics_records(tiny_run)
     losses = [r["loss"] for r in records if "loss" in r]
-    assert losses[0] > 9.0, "an untrained model starts near ln(32000) = 10.4"
-    assert losses[-1] < losses[0] - 1.5, losses  # about 2 nats from steps 1-5 to 16-20
+    assert losses[0] > 7.5, "an untrained model starts near ln(4096) = 8.3"
+    assert losses[-1] < losses[0] - 0.8, losses  # about 1.1 nats from steps 1-10 to 51-60
     evals = [r for r in records if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [0, 10, 20]
-    assert evals[0]["eval_loss"] == pytest.approx(math.log(32000), abs=0.3), "untrained model"
+    assert [r["step"] for r in evals] == list(range(0, STEPS + 1, EVAL_EVERY))
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(VOCAB), abs=0.3), "untrained model"
     assert all(torch.isfinite(torch.tensor(r["eval_loss"])) for r in evals)
-    assert evals[-1]["eval_loss"] < 9.0
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.0, "the held-out loss falls"
     assert evals[-1]["eval_ppl"] == pytest.approx(2.718281828 ** evals[-1]["eval_loss"], rel=1e-6)
 
 
 def test_only_rank_zero_logs(tiny_run: Path) -> None:
     log = (tiny_run / "log.txt").read_text()
     assert "[rank 0]" in log and "[rank 1]" not in log
-    assert log.count("| loss ") == STEPS // 5
+    assert log.count("| loss ") == STEPS // LOG_EVERY
 
 
 def test_final_model_loads_and_generates(tiny_run: Path) -> None:
@@ -119,8 +123,9 @@ def test_final_model_loads_and_generates(tiny_run: Path) -> None:
     assert out.shape[1] == prompt["input_ids"].shape[1] + 8
     assert isinstance(tokenizer.decode(out[0]), str)
     assert (tiny_run / "final_model" / "model.safetensors").is_file()
-    assert "max_steps = 20" in (tiny_run / "config.toml").read_text()
-    assert model.config.hidden_size == 256, "configs/tiny.toml's model"
+    assert f"max_steps = {STEPS}" in (tiny_run / "config.toml").read_text()
+    assert model.config.hidden_size == 128, "configs/quickstart.toml's model"
+    assert model.config.vocab_size == len(tokenizer) == VOCAB
 
 
 def test_tensorboard_events_hold_the_logged_scalars(tiny_run: Path) -> None:

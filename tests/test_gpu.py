@@ -95,7 +95,7 @@ def test_random_init_is_drawn_on_the_gpu() -> None:
 
 def test_llama2_7b_dry_run_plans_for_the_visible_gpu() -> None:
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    command = [sys.executable, str(REPO / "train.py"), "--config", "configs/llama2_7b.toml"]
+    command = [sys.executable, str(REPO / "train.py"), "--config", "configs/llama2_7b_ddp_dct.toml"]
     result = subprocess.run(
         [*command, "--dry-run"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
         check=False,

@@ -331,10 +331,10 @@ def test_plan_counts_compression_rows(config: LlamaConfig) -> None:
     assert "compression state" in more.table() and "compression buffers" in more.table()
 
 
-def test_llama2_7b_config_fits_with_its_compression_counted(config: LlamaConfig) -> None:
-    """configs/llama2_7b.toml ships low-pass dct: no residual, its buffers counted, it fits; a
-    rotating dct (25.1 GiB of residuals) would not."""
-    run = parse_config(["--config", str(REPO / "configs" / "llama2_7b.toml")])
+def test_llama2_7b_ddp_config_fits_with_its_compression_counted(config: LlamaConfig) -> None:
+    """configs/llama2_7b_ddp_dct.toml ships low-pass dct: no residual, its buffers counted, it
+    fits; a rotating dct (25.1 GiB of residuals) would not."""
+    run = parse_config(["--config", str(REPO / "configs" / "llama2_7b_ddp_dct.toml")])
     plan, hints = plan_run(run, config, 8, 80.0)
     assert plan.fits and hints == []
     assert plan.compression_state == 0 and plan.compression_buffers > GIB

@@ -76,6 +76,7 @@ def dry_run(
     the planned mesh refuses (``DataParallel.check_mesh``).
     """
     model_config = model_config or plan_model_config(config)
+    config = launched_cluster(config, env)
     memory = config.device_memory_gib or visible_device_gib() or 80.0
     method = method or method_for(config)
     world = config.plan_world_size or env.world_size
@@ -102,6 +103,15 @@ def dry_run(
     matrices = trained_matrix_shapes(config, model_config)
     lines.append(checkpoint_plan(config, plan, (shapes, matrices), method))
     return "\n".join(lines)
+
+
+def launched_cluster(config: TrainConfig, env: DistEnv) -> TrainConfig:
+    """``config`` planned on the cluster it was launched on: under torchrun (WORLD_SIZE above
+    1) without --plan-world-size, a node is LOCAL_WORLD_SIZE ranks, as a real start's mesh
+    has it, not --plan-gpus-per-node."""
+    if config.plan_world_size or env.world_size == 1:
+        return config
+    return dataclasses.replace(config, plan_gpus_per_node=env.local_world_size)
 
 
 @dataclass(frozen=True)

@@ -158,13 +158,15 @@ def check_settings(
     config: TrainConfig, env: DistEnv, model_config: PretrainedConfig
 ) -> tuple[Method, DataParallel]:
     """The start-up checks that need no file but the model's config: the method's settings, the
-    device, the node layout of a node-aware scope, a causal LM, --seq-length within its
-    positions, a --data-parallel mesh that divides the ranks. Returns the run's method and
-    mode, built once here. Raises UserError on the first problem."""
+    device (a real start's only: --dry-run plans a GPU run without one), the node layout of a
+    node-aware scope, a causal LM, --seq-length within its positions, a --data-parallel mesh
+    that divides the ranks. Returns the run's method and mode, built once here. Raises
+    UserError on the first problem."""
     method = method_for(config)
     if config.report_to == "wandb":
         check_wandb_installed()
-    check_device(config.device)
+    if not config.dry_run:
+        check_device(config.device)
     if config.compression_scope == "inter-node":
         check_node_layout(env)
     mode = mode_for(config, env.world_size, env.local_world_size)  # its mesh divides the ranks

@@ -22,6 +22,7 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.methods import MemoryRow, Method, PlanSizes, method_class, method_for
 from torchrun_ddp.model import (
     PRECISION_DTYPES,
+    LoraSettings,
     apply_lora,
     hidden_matrices,
     lora_settings,
@@ -355,8 +356,7 @@ def local_update_memory(
 def trained_shapes(config: TrainConfig, model_config: PretrainedConfig) -> list[tuple[int, ...]]:
     """Shapes of the parameters that train, on the meta device: what DDP buckets and DeMo tiles
     (only the adapters under --peft lora)."""
-    model = _trained_meta_model(config, model_config)
-    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    return list(_meta_shapes(config, model_config)[0])
 
 
 def trained_matrix_shapes(
@@ -364,11 +364,31 @@ def trained_matrix_shapes(
 ) -> list[tuple[int, ...]]:
     """Shapes of the trained hidden-layer matrices (``model.hidden_matrices``), on the meta
     device: what an optimizer that treats them apart (Muon) steps."""
-    model = _trained_meta_model(config, model_config)
-    return [tuple(p.shape) for p in hidden_matrices(model)]
+    return list(_meta_shapes(config, model_config)[1])
+
+
+Shapes = tuple[tuple[int, ...], ...]
+_META_SHAPES: dict[tuple[str, LoraSettings | None], tuple[Shapes, Shapes]] = {}
+"""(the model's config as JSON, the LoRA settings) -> its trained shapes and trained matrices'
+shapes: one dry run asks for them about 7 times, and 7B's LoRA model takes seconds to build."""
+
+
+def _meta_shapes(config: TrainConfig, model_config: PretrainedConfig) -> tuple[Shapes, Shapes]:
+    """The trained shapes and the trained hidden matrices' shapes, built once per model."""
+    lora = lora_settings(config) if config.peft == "lora" else None
+    key = (model_config.to_json_string(), lora)
+    if key not in _META_SHAPES:
+        model = _trained_meta_model(config, model_config)
+        trained = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+        _META_SHAPES[key] = trained, tuple(tuple(p.shape) for p in hidden_matrices(model))
+    return _META_SHAPES[key]
 
 
 def _trained_meta_model(config: TrainConfig, model_config: PretrainedConfig) -> torch.nn.Module:
-    """The model on the meta device, with its adapters under --peft lora."""
+    """The model on the meta device, with its adapters under --peft lora (built on the meta
+    device too: peft would draw 7B's 1,568 adapters on the host, about 10 s a build)."""
     model = meta_model(model_config)
-    return apply_lora(model, lora_settings(config)) if config.peft == "lora" else model
+    if config.peft != "lora":
+        return model
+    with torch.device("meta"):
+        return apply_lora(model, lora_settings(config))

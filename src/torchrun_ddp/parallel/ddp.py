@@ -89,8 +89,9 @@ class DDP(DataParallel):
         """DDP replicates the weights and gradients on every rank: shard them."""
         return (
             f"needs {smallest_gib:.1f} GiB per rank, because DDP replicates the weights and "
-            f"gradients ({floor_gib:.1f} GiB) on every rank; shard them (--data-parallel fsdp) "
-            "or use GPUs with more memory"
+            f"gradients ({floor_gib:.1f} GiB) on every rank; shard them (--data-parallel fsdp "
+            "for AdamW, hsdp for a --compression hook or --optimizer demo, diloco, sparseloco or "
+            "muloco, which fsdp refuses) or use GPUs with more memory"
         )
 
 
