@@ -57,6 +57,7 @@ from torchrun_ddp.metrics import any_rank, check_loss, check_records, progress_b
 from torchrun_ddp.model import autocast_context, causal_lm_inputs
 from torchrun_ddp.parallel.modes import gradient_sync_off, mode_for
 from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
+from torchrun_ddp.sites.join import join_sites, leave_sites
 from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import save, save_final_model
 
@@ -86,6 +87,7 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
         if finished and config.save_at_end:
             save_final_model(trainer)
         trainer.metrics.close()
+        leave_sites(trainer)
         return finished
     except DataError as exc:
         if env.is_main:
@@ -139,6 +141,7 @@ def train(trainer: Trainer) -> bool:
     False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
     config = trainer.config
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
+    join_sites(trainer)  # --fault-tolerance sites: a site behind the live ones heals here
     first_step = trainer.step + 1
     with StopRequest() as stop:
         data_ends, stopping = check_in(trainer, max_steps, stop.requested)

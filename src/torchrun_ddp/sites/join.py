@@ -1,0 +1,76 @@
+"""A site's start among the live sites, and what it sends a site that heals from it.
+
+``join_sites`` runs before the first step of a ``--fault-tolerance sites`` run: it tells the
+site's ``SiteLink`` what to send a healing peer (``heal_state``) and how to take a peer's state
+(``take_heal_state``), then joins (``SiteDiLoCo.join``). What a healing site takes: the synced
+parameters and the outer momentum (``SyncedState``), the step and the tokens trained; the
+learning-rate schedule is stepped on to that step. Its inner optimizer state and data position
+stay its own (a fresh process: its own checkpoint's, or the start).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import cast
+
+from torchrun_ddp.build import Trainer
+from torchrun_ddp.optim import SyncedState
+from torchrun_ddp.sites.diloco import SiteDiLoCo
+from torchrun_ddp.sites.link import HealState
+
+log = logging.getLogger("torchrun_ddp")
+
+
+def site_optimizer(trainer: Trainer) -> SiteDiLoCo | None:
+    """The run's ``SiteDiLoCo`` under ``--fault-tolerance sites``, else None."""
+    optimizer = trainer.optimizer
+    return optimizer if isinstance(optimizer, SiteDiLoCo) else None
+
+
+def heal_state(trainer: Trainer, optimizer: SiteDiLoCo, in_step: bool) -> HealState:
+    """This site's state for a healing peer, taken at a sync: the synced parameters and outer
+    momentum (fp32, the parameters' shapes), the step the sync completes (``in_step``: the sync
+    runs inside an optimizer step, which counts) and the tokens trained over all ranks."""
+    return {
+        "outer": SyncedState(optimizer).state_dict(),
+        "step": trainer.step + int(in_step),
+        "tokens_seen": trainer.tokens_seen,
+    }
+
+
+def take_heal_state(trainer: Trainer, optimizer: SiteDiLoCo, state: HealState) -> None:
+    """Load a live peer's ``heal_state``: the outer state, the step, the tokens trained, and
+    the schedule stepped on to the step. Raises ValueError for a state of another model."""
+    SyncedState(optimizer).load_state_dict(cast(Mapping[str, object], state["outer"]))
+    trainer.step = int(cast(int, state["step"]))
+    trainer.tokens_seen = int(cast(int, state["tokens_seen"]))
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        while trainer.scheduler.last_epoch < trainer.step:
+            trainer.scheduler.step()
+
+
+def join_sites(trainer: Trainer) -> None:
+    """Collective over the live sites under ``--fault-tolerance sites`` (nothing otherwise):
+    register this site's healing state and join (``SiteDiLoCo.join``); logs the step a healed
+    site goes on from."""
+    optimizer = site_optimizer(trainer)
+    if optimizer is None or optimizer.link is None:
+        return
+    joining = [True]
+    optimizer.link.register(
+        lambda: heal_state(trainer, optimizer, not joining[0]),
+        lambda state: take_heal_state(trainer, optimizer, state),
+    )
+    if optimizer.join():
+        log.info("sites: healed, training on from step %d", trainer.step)
+    joining[0] = False
+
+
+def leave_sites(trainer: Trainer) -> None:
+    """Stop this rank's torchft Manager (nothing without sites)."""
+    optimizer = site_optimizer(trainer)
+    if optimizer is not None and optimizer.link is not None:
+        optimizer.link.close()

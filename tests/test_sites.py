@@ -1,0 +1,179 @@
+"""Fault-tolerant sites (``--fault-tolerance sites``, on torchft): each site its own torchrun job,
+the sites meeting through a torchft lighthouse on loopback, DiLoCo's sync across them through
+the Managers' gloo process group.
+
+Fast: the flags' checks, and the healing transfer's format (safetensors + JSON + SHA-256) refusing
+what it must. Slow: two sites of one rank each train what one torchrun job of two ranks trains
+(the same losses and bit-identical final weights); then a site killed with SIGKILL while the
+other trains on without a restart, started again, healed from the live one, both ending with
+equal replicas."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_harness import (
+    REPO,
+    final_weights,
+    folder_args,
+    free_port,
+    logged_losses,
+    subprocess_env,
+    torchrun_command,
+)
+from test_elastic import _kill_tree, _listening, _wait_for
+
+from torchrun_ddp.checkpoint.heal import FORMAT, decode, encode
+from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.sites import data_place, site_settings
+
+LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
+"""Short windows: a sync every other step, so a kill lands near one."""
+
+
+def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
+    return [
+        "--fault-tolerance", "sites", "--sites", "2", "--site-id", str(site),
+        "--lighthouse", lighthouse, "--site-address", "127.0.0.1", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--site-id", "1"], "--site-id applies to --fault-tolerance sites only"),
+        (["--fault-tolerance", "sites", "--sites", "2", "--site-id", "2", *DILOCO], "--site-id"),
+        (["--fault-tolerance", "sites", "--sites", "2"], "does not exchange across sites yet"),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--site-heartbeat-ms", "9000",
+             "--quorum-timeout-s", "10"],
+            "fewer than 2 heartbeats in the quorum timeout",
+        ),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--overlap-exchange"],
+            "without --overlap-exchange",
+        ),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--data-parallel", "hsdp"],
+            "runs --data-parallel ddp inside each site",
+        ),
+    ],
+)  # fmt: skip
+def test_sites_flags_are_checked_in_one_line(flags: list[str], message: str) -> None:
+    with pytest.raises(UserError, match=message) as error:
+        parse_config(flags)
+    assert "\n" not in str(error.value)
+
+
+def test_sites_split_the_document_order_and_derive_timeouts() -> None:
+    config = parse_config(
+        ["--fault-tolerance", "sites", "--sites", "3", "--site-id", "2", *DILOCO,
+         "--train-timeout-s", "40", "--lighthouse", "10.0.0.1:29510"]
+    )  # fmt: skip
+    assert data_place(config, 1, 4) == (9, 12)  # site 2's rank 1 of 4: global rank 9 of 12
+    settings = site_settings(config)
+    assert (settings.quorum_timeout_s, settings.timeout_s) == (40, 40)
+    assert settings.lighthouse == "http://10.0.0.1:29510"
+    assert settings.replica_id == "site2"
+    assert data_place(parse_config([]), 1, 4) == (1, 4)
+
+
+def test_the_healing_transfer_round_trips_and_refuses_a_changed_payload() -> None:
+    state = {"outer": {"synced": {"0": torch.arange(6.0).view(2, 3)}, "position": 0}, "step": 7}
+    header, payload = encode(state, 3)
+    parsed = json.loads(header)
+    assert parsed["format"] == FORMAT and parsed["bytes"] == len(payload)
+    back = decode(parsed, payload, 3)
+    assert isinstance(back, dict) and back["step"] == 7
+    assert torch.equal(back["outer"]["synced"]["0"], state["outer"]["synced"]["0"])
+    damaged = bytearray(payload)
+    damaged[-1] ^= 0xFF
+    with pytest.raises(ValueError, match="SHA-256"):
+        decode(parsed, bytes(damaged), 3)
+    with pytest.raises(ValueError, match="step 3, the quorum's is 4"):
+        decode(parsed, payload, 4)
+
+
+# -- real processes --------------------------------------------------------------------------
+
+
+def _lighthouse(port: int, min_replicas: int, log: Path) -> subprocess.Popen[bytes]:
+    """A torchft lighthouse on loopback: a site is dead after 1 s without a heartbeat."""
+    command = [
+        str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
+        "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50",
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _site(base: Path, site: int, steps: int, lighthouse: str, log: Path) -> subprocess.Popen:
+    """Site ``site``: its own torchrun job of one rank (forked), own folders ``base/site-<n>``
+    and ``base/out-<n>``."""
+    args = folder_args(
+        base, f"site-{site}", steps, *DILOCO, "--output-dir", str(base / f"out-{site}"),
+        *_sites_flags(site, lighthouse, "--train-timeout-s", "30"),
+    )  # fmt: skip
+    return subprocess.Popen(
+        torchrun_command(args, 1, forked=True), cwd=REPO, env=subprocess_env(),
+        stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def lighthouse(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A lighthouse (``min_replicas`` from the test's ``lighthouse_min`` marker, else 2)."""
+    marker = request.node.get_closest_marker("lighthouse_min")
+    port = free_port()
+    proc = _lighthouse(port, marker.args[0] if marker else 2, tmp_path / "lighthouse.log")
+    try:
+        _wait_for(lambda: _listening(port), "the lighthouse", timeout=30)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 400) -> None:
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
+
+
+@pytest.mark.slow
+def test_two_sites_train_what_one_job_of_their_ranks_trains(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    steps = 8
+    logs = [tmp_path / f"site-{site}.log" for site in range(2)]
+    procs = [_site(tmp_path, site, steps, lighthouse, logs[site]) for site in range(2)]
+    try:
+        _wait_all(procs, logs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    one_job = folder_args(
+        tmp_path, "one-job", steps, *DILOCO, "--output-dir", str(tmp_path / "one-job-out")
+    )
+    done = subprocess.run(
+        torchrun_command(one_job, 2, forked=True), cwd=REPO, env=subprocess_env(),
+        capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    expected = logged_losses(tmp_path / "one-job-out")
+    sites = [logged_losses(tmp_path / f"out-{site}") for site in range(2)]
+    assert sorted(expected) == list(range(1, steps + 1))
+    for step, loss in expected.items():  # each site logs its own rank's loss: their mean
+        assert (sites[0][step] + sites[1][step]) / 2 == pytest.approx(loss, rel=1e-6), step
+    want = final_weights(tmp_path / "one-job-out")
+    for site in range(2):
+        have = final_weights(tmp_path / f"out-{site}")
+        for name, tensor in want.items():
+            assert torch.equal(have[name], tensor), (site, name)
