@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from distributed_harness import (
     logged_losses,
     subprocess_env,
     torchrun_command,
+    worker_pids,
 )
 from test_elastic import _kill_tree, _listening, _wait_for
 
@@ -33,6 +35,7 @@ from torchrun_ddp.checkpoint.heal import FORMAT, decode, encode
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.sites import data_place, site_settings
+from torchrun_ddp.sites.positions import read_position
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
@@ -106,23 +109,27 @@ def test_the_healing_transfer_round_trips_and_refuses_a_changed_payload() -> Non
 
 
 def _lighthouse(port: int, min_replicas: int, log: Path) -> subprocess.Popen[bytes]:
-    """A torchft lighthouse on loopback: a site is dead after 1 s without a heartbeat."""
+    """A torchft lighthouse on loopback: a site is dead after 1 s without a heartbeat; a
+    quorum waits up to 30 s for a site that heartbeats but has not asked for it yet (one that
+    is starting)."""
     command = [
         str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
-        "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50",
+        "--join_timeout_ms", "30000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50",
     ]  # fmt: skip
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def _site(base: Path, site: int, steps: int, lighthouse: str, log: Path) -> subprocess.Popen:
+def _site(
+    base: Path, site: int, steps: int, lighthouse: str, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Site ``site``: its own torchrun job of one rank (forked), own folders ``base/site-<n>``
-    and ``base/out-<n>``."""
+    and ``base/out-<n>``; ``env``: variables added to its environment."""
     args = folder_args(
         base, f"site-{site}", steps, *DILOCO, "--output-dir", str(base / f"out-{site}"),
         *_sites_flags(site, lighthouse, "--train-timeout-s", "30"),
     )  # fmt: skip
     return subprocess.Popen(
-        torchrun_command(args, 1, forked=True), cwd=REPO, env=subprocess_env(),
+        torchrun_command(args, 1, forked=True), cwd=REPO, env={**subprocess_env(), **(env or {})},
         stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 
@@ -177,3 +184,47 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains(
         have = final_weights(tmp_path / f"out-{site}")
         for name, tensor in want.items():
             assert torch.equal(have[name], tensor), (site, name)
+
+
+@pytest.mark.slow
+@pytest.mark.lighthouse_min(1)
+def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Site 1 is SIGKILLed once it has logged step 6; site 0 trains on alone and waits before
+    step 20 (``hold``: only so that this short run is not over before site 1's new process has
+    imported torch) until site 1 runs again; site 1 heals in site 0's sync of step 20, from its
+    own data position at its last committed sync, and both train to step 24."""
+    steps, hold, started = 24, tmp_path / "hold", time.monotonic()
+    logs = [tmp_path / f"site-{site}.log" for site in range(2)]
+    paced = {"TORCHRUN_DDP_PERTURB": "hold:20", "TORCHRUN_DDP_HOLD_FILE": str(hold)}
+    procs = [_site(tmp_path, site, steps, lighthouse, logs[site], paced) for site in range(2)]
+    try:
+        _wait_for(lambda: max(logged_losses(tmp_path / "out-1"), default=0) >= 6, "site 1", 300)
+        workers = worker_pids(procs[0].pid)
+        _kill_tree(procs[1])
+        record = read_position(tmp_path / "site-1", 0)  # its last committed sync's
+        assert record is not None
+        _wait_for(lambda: max(logged_losses(tmp_path / "out-0")) >= 14, "site 0 alone", 120)
+        before = len(logs[1].read_text())
+        procs[1] = _site(tmp_path, 1, steps, lighthouse, logs[1])
+        _wait_for(lambda: "ready to train" in logs[1].read_text()[before:], "site 1 again")
+        assert worker_pids(procs[0].pid) == workers  # the same processes trained on
+        hold.touch()
+        _wait_all(procs, logs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    print(f"kill and heal test: {time.monotonic() - started:.1f} s")  # pytest -s
+    site0, again = logs[0].read_text(), logs[1].read_text()[before:]
+    assert "sites: healed" not in site0 and "attempt 2" not in site0, site0[-3000:]
+    healed = [line for line in again.splitlines() if "sites: healed from a live site" in line]
+    assert len(healed) == 1, again[-4000:]
+    print(healed[0])
+    assert f"own data position of step {record[0]} " in again, again[-4000:]
+    assert "sites: healed, training on from step 20" in again, again[-4000:]
+    assert sorted(logged_losses(tmp_path / "out-0")) == list(range(1, steps + 1))
+    want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
+    for name, tensor in want.items():
+        assert torch.equal(have[name], tensor), name

@@ -44,7 +44,7 @@ from torchrun_ddp.distributed import (
 from torchrun_ddp.dry_run import dry_run, plan_model_config
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
-from torchrun_ddp.faults import fault_point, perturbation
+from torchrun_ddp.faults import fault_point, hold_point, perturbation
 from torchrun_ddp.inputs import (
     Inputs,
     check_dry_run_inputs,
@@ -277,6 +277,7 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
     )
     trainer.method.after_backward()  # hsdp with a comm hook: the shards across replicas
     fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
+    hold_point(trainer.step + 1)  # tests only (TORCHRUN_DDP_PERTURB hold)
     if perturbation("nan-loss") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
         loss = loss * math.nan
     grad_norm = trainer.parallel.clip_grad_norm(trainer.model, trainer.config.max_grad_norm)

@@ -49,9 +49,12 @@ class SiteDiLoCo(DiLoCo):
 
     def _start_exchange(self, start: list[torch.Tensor]) -> PendingSync:
         """The pseudo-gradient, summed over the live sites at once (blocking)."""
+        assert self.link is not None, "SiteDiLoCo needs its link before a sync"
         flat, wire = self._pseudo_gradient()
         self._count("all_reduce", wire.numel() * wire.element_size())
         ranks = self._site_sum(wire)
+        if self.committed:
+            self.link.after_commit()
         if wire is not flat:
             flat.copy_(wire)
         flat.div_(ranks)

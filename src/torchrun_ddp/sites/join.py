@@ -4,8 +4,9 @@
 site's ``SiteLink`` what to send a healing peer (``heal_state``) and how to take a peer's state
 (``take_heal_state``), then joins (``SiteDiLoCo.join``). What a healing site takes: the synced
 parameters and the outer momentum (``SyncedState``), the step and the tokens trained; the
-learning-rate schedule is stepped on to that step. Its inner optimizer state and data position
-stay its own (a fresh process: its own checkpoint's, or the start).
+learning-rate schedule is stepped on to that step. Its inner optimizer state stays its own (its
+checkpoint's, or the start's), and its data position is its own at its last committed sync
+(``positions``).
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import cast
 
 from torchrun_ddp.build import Trainer
+from torchrun_ddp.inputs import checkpoint_root
 from torchrun_ddp.optim import SyncedState
 from torchrun_ddp.sites.diloco import SiteDiLoCo
 from torchrun_ddp.sites.link import HealState
+from torchrun_ddp.sites.positions import read_position, write_position
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -40,11 +44,15 @@ def heal_state(trainer: Trainer, optimizer: SiteDiLoCo, in_step: bool) -> HealSt
     }
 
 
-def take_heal_state(trainer: Trainer, optimizer: SiteDiLoCo, state: HealState) -> None:
+def take_heal_state(
+    trainer: Trainer, optimizer: SiteDiLoCo, state: HealState, in_step: bool
+) -> None:
     """Load a live peer's ``heal_state``: the outer state, the step, the tokens trained, and
-    the schedule stepped on to the step. Raises ValueError for a state of another model."""
+    the schedule stepped on to the step (``in_step``: the sync runs inside an optimizer step,
+    which the loop then counts and schedules). Raises ValueError for a state of another
+    model."""
     SyncedState(optimizer).load_state_dict(cast(Mapping[str, object], state["outer"]))
-    trainer.step = int(cast(int, state["step"]))
+    trainer.step = int(cast(int, state["step"])) - int(in_step)
     trainer.tokens_seen = int(cast(int, state["tokens_seen"]))
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
         warnings.simplefilter("ignore", UserWarning)
@@ -54,19 +62,42 @@ def take_heal_state(trainer: Trainer, optimizer: SiteDiLoCo, state: HealState) -
 
 def join_sites(trainer: Trainer) -> None:
     """Collective over the live sites under ``--fault-tolerance sites`` (nothing otherwise):
-    register this site's healing state and join (``SiteDiLoCo.join``); logs the step a healed
-    site goes on from."""
+    register this site's healing state and its data position's record after each committed
+    sync (``positions``), and join (``SiteDiLoCo.join``). A site that healed goes on from its
+    own data position at its last committed sync (``take_own_position``)."""
     optimizer = site_optimizer(trainer)
     if optimizer is None or optimizer.link is None:
         return
     joining = [True]
-    optimizer.link.register(
+    link, root, rank = optimizer.link, checkpoint_root(trainer.config), trainer.env.rank
+    link.register(
         lambda: heal_state(trainer, optimizer, not joining[0]),
-        lambda state: take_heal_state(trainer, optimizer, state),
+        lambda state: take_heal_state(trainer, optimizer, state, not joining[0]),
+    )
+    link.after_commit = lambda: write_position(
+        root, rank, trainer.step + 1, trainer.data.state_dict()
     )
     if optimizer.join():
         log.info("sites: healed, training on from step %d", trainer.step)
+        take_own_position(trainer, root)
     joining[0] = False
+
+
+def take_own_position(trainer: Trainer, root: Path) -> None:
+    """After a heal: this rank's data position at its last committed sync, from its record
+    under ``root``; where there is none (a new disk) the resumed checkpoint's, with a
+    warning."""
+    record = read_position(root, trainer.env.rank)
+    if record is None:
+        log.warning(
+            "sites: no record of this rank's data position at its last committed sync under "
+            "%s: going on from the resumed checkpoint's (or the start's)",
+            root / "sites",
+        )
+        return
+    step, position = record
+    trainer.data.load_state_dict(position)
+    log.info("sites: own data position of step %d (its last committed sync)", step)
 
 
 def leave_sites(trainer: Trainer) -> None:

@@ -51,6 +51,8 @@ class SiteLink:
         self.participants = 0
         self._send: Callable[[], HealState] = dict
         self._take: Callable[[HealState], None] = lambda state: None
+        self.after_commit: Callable[[], None] = lambda: None
+        """Called after every committed sync but a site's join (``SiteDiLoCo``)."""
         store = settings.address or os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.manager = Manager(
             pg=self.group, load_state_dict=self._load, state_dict=self._state,
