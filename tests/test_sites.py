@@ -55,6 +55,7 @@ def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
         (["--site-id", "1"], "--site-id applies to --fault-tolerance sites only"),
         (["--fault-tolerance", "sites", "--sites", "2", "--site-id", "2", *DILOCO], "--site-id"),
         (["--fault-tolerance", "sites", "--sites", "2"], "does not exchange across sites yet"),
+        (["--fault-tolerance", "sites", "--sites", "2", *DILOCO], "needs the torchft lighthouse"),
         (
             ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--site-heartbeat-ms", "9000",
              "--quorum-timeout-s", "10"],
@@ -70,7 +71,12 @@ def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
         ),
     ],
 )  # fmt: skip
-def test_sites_flags_are_checked_in_one_line(flags: list[str], message: str) -> None:
+def test_sites_flags_are_checked_in_one_line(
+    flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    lighthouse = [] if "lighthouse" in message else ["--lighthouse", "127.0.0.1:1"]
+    flags = [*flags, *lighthouse] if "--fault-tolerance" in flags else flags
     with pytest.raises(UserError, match=message) as error:
         parse_config(flags)
     assert "\n" not in str(error.value)

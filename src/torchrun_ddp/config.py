@@ -441,8 +441,9 @@ class TrainConfig:
     )
     quorum_retries: int = opt(
         10,
-        "--fault-tolerance sites: tries of a failed lighthouse call within --quorum-timeout-s "
-        "before the site stops (torchft's quorum_retries).",
+        "--fault-tolerance sites: retries of a failed lighthouse call within "
+        "--quorum-timeout-s before the site's ranks fail (torchft's quorum_retries; on by "
+        "default, torchft's own default is 0).",
     )
     site_timeout_s: int = opt(
         0,
@@ -452,8 +453,8 @@ class TrainConfig:
     site_heartbeat_ms: int = opt(
         100,
         "--fault-tolerance sites: milliseconds between a site's heartbeats to the lighthouse; "
-        "the lighthouse's --heartbeat_timeout_ms (run.sh: LIGHTHOUSE_HEARTBEAT_MS) must be "
-        "several of them.",
+        "the lighthouse's --heartbeat_timeout_ms (run.sh: LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS) "
+        "must be several of them.",
     )
     # Checkpoints and resume
     checkpoint_dir: str = opt(

@@ -1,6 +1,6 @@
 """The settings of fault-tolerant sites (``--fault-tolerance sites``): who this site is, where
 the lighthouse is, what it advertises, and every timeout in one place with its default derived
-from ``--train-timeout-s`` (``SiteSettings.timeouts``: the table docs/fault-tolerance.md shows).
+from ``--train-timeout-s`` (the table of docs/fault-tolerance.md#fault-tolerant-sites).
 
 Checked before any process group exists (``check_sites``): one-line ``UserError``s naming the
 flag and the fix, also where two timeouts contradict each other.
@@ -8,6 +8,7 @@ flag and the fix, also where two timeouts contradict each other.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from torchrun_ddp.config import TrainConfig, flag_name
@@ -48,16 +49,6 @@ class SiteSettings:
     """Seconds a cross-site collective, commit vote or healing transfer may take."""
     heartbeat_ms: int
     """Milliseconds between heartbeats to the lighthouse."""
-
-    def timeouts(self) -> list[tuple[str, str, str]]:
-        """Each timeout as ``(what, flag, value)``, the rows of docs' table."""
-        return [
-            ("quorum, lighthouse retries included", "--quorum-timeout-s",
-             f"{self.quorum_timeout_s} s"),
-            ("cross-site collective, commit vote, heal", "--site-timeout-s", f"{self.timeout_s} s"),
-            ("heartbeat interval", "--site-heartbeat-ms", f"{self.heartbeat_ms} ms"),
-            ("lighthouse retries", "--quorum-retries", str(self.quorum_retries)),
-        ]  # fmt: skip
 
     @property
     def replica_id(self) -> str:
@@ -109,6 +100,11 @@ def check_sites(config: TrainConfig, given: frozenset[str] = frozenset()) -> Non
     for name in ("quorum_timeout_s", "quorum_retries", "site_timeout_s"):
         if getattr(config, name) < 0:
             raise UserError(f"--{flag_name(name)} must be >= 0, got {getattr(config, name)}")
+    if not config.lighthouse and not os.environ.get(LIGHTHOUSE_ENV):
+        raise UserError(
+            "--fault-tolerance sites needs the torchft lighthouse's address: give --lighthouse "
+            f"host:port (or set {LIGHTHOUSE_ENV}); start one with ./run.sh lighthouse"
+        )
     _check_timeouts(site_settings(config))
 
 
