@@ -33,6 +33,8 @@ from test_elastic import _kill_tree, _listening, _wait_for
 
 from torchrun_ddp.checkpoint.heal import FORMAT, decode, encode
 from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.sites import data_place, site_settings
 from torchrun_ddp.sites.positions import read_position
@@ -234,3 +236,17 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
     for name, tensor in want.items():
         assert torch.equal(have[name], tensor), name
+
+
+def test_the_plan_shows_a_sites_healing_transfer() -> None:
+    config = parse_config(
+        ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--lighthouse", "h:1",
+         "--plan-world-size", "8", "--plan-gpus-per-node", "8", "--plan-inter-node-gbit", "10"]
+    )  # fmt: skip
+    text = dry_run(config, DistEnv())  # LLaMA-2-7B, the default --model
+    [row] = [line for line in text.splitlines() if "a site's healing from a live one" in line]
+    gib, seconds = (float(cell) for cell in row.strip(" |").split(" | ")[1:])
+    trained = 6_738_415_616  # LLaMA-2-7B: each rank gets the synced fp32 copy and momentum
+    assert gib == pytest.approx(8 * 8 * trained / 2**30, abs=0.01)
+    assert seconds == pytest.approx(8 * 8 * trained / (10e9 / 8), rel=1e-3)
+    assert "a site's healing" not in dry_run(parse_config(["--plan-world-size", "8"]), DistEnv())

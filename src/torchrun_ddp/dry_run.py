@@ -164,7 +164,8 @@ def checkpoint_plan(
     optimizer = method.checkpoint_bytes(sizes)
     replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook
     sizes = checkpoint_sizes(config, plan.parameters, trained, replicated, per_rank)
-    return checkpoint_table(sizes, config, world, per_node)
+    heal = replicated if config.fault_tolerance == "sites" else 0  # what a live site sends
+    return checkpoint_table(sizes, config, world, per_node, heal)
 
 
 def local_update_memory_table(rows: list[MemoryRow], method: Method) -> str:
