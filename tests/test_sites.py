@@ -11,6 +11,8 @@ equal replicas."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -37,7 +39,7 @@ from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.sites import data_place, site_settings
-from torchrun_ddp.sites.positions import read_position
+from torchrun_ddp.sites.positions import pack, read_position, unpack, write_position
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
@@ -111,6 +113,21 @@ def test_the_healing_transfer_round_trips_and_refuses_a_changed_payload() -> Non
         decode(parsed, bytes(damaged), 3)
     with pytest.raises(ValueError, match="step 3, the quorum's is 4"):
         decode(parsed, payload, 4)
+
+
+def test_a_data_position_round_trips_on_disk_and_between_sites(tmp_path: Path) -> None:
+    position = {"epoch": 1, "offsets": torch.tensor([3, 5]), "nested": {"tokens": [1, 2]}}
+    write_position(tmp_path, 1, 12, position)
+    step, back = read_position(tmp_path, 1) or (0, {})
+    assert step == 12 and back["epoch"] == 1 and back["nested"] == {"tokens": [1, 2]}
+    assert torch.equal(back["offsets"], position["offsets"])
+    assert read_position(tmp_path, 0) is None
+    site, step, shared = unpack(pack(3, 14, position))
+    assert (site, step) == (3, 14) and torch.equal(shared["offsets"], position["offsets"])
+    blob = pack(3, 14, position)
+    blob[-1] ^= 0xFF
+    with pytest.raises(ValueError, match="SHA-256"):
+        unpack(blob)
 
 
 # -- real processes --------------------------------------------------------------------------
@@ -194,26 +211,39 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains(
             assert torch.equal(have[name], tensor), (site, name)
 
 
+def _both_trained(base: Path, step: int) -> bool:
+    """Whether both sites have logged ``step`` or a later one, and site 1 has committed a
+    sync with site 0 (its data position's record)."""
+    logged = all(max(logged_losses(base / f"out-{site}"), default=0) >= step for site in (0, 1))
+    return logged and read_position(base / "site-1", 0) is not None
+
+
 @pytest.mark.slow
 @pytest.mark.lighthouse_min(1)
 def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     tmp_path: Path, lighthouse: str
 ) -> None:
-    """Site 1 is SIGKILLed once it has logged step 6; site 0 trains on alone and waits before
-    step 20 (``hold``: only so that this short run is not over before site 1's new process has
-    imported torch) until site 1 runs again; site 1 heals in site 0's sync of step 20, from its
-    own data position at its last committed sync, and both train to step 24."""
+    """Site 1 is SIGKILLed once it has logged step 6 and its disk wiped; site 0 trains on alone
+    and waits before step 20 (``hold``: only so that this short run is not over before site 1's
+    new process has imported torch) until site 1 runs again; site 1 starts from nothing, heals
+    in site 0's sync of step 20, takes its own data position at its last committed sync from
+    site 0's copy, and both train to step 24."""
     steps, hold, started = 24, tmp_path / "hold", time.monotonic()
     logs = [tmp_path / f"site-{site}.log" for site in range(2)]
     paced = {"TORCHRUN_DDP_PERTURB": "hold:20", "TORCHRUN_DDP_HOLD_FILE": str(hold)}
     procs = [_site(tmp_path, site, steps, lighthouse, logs[site], paced) for site in range(2)]
-    try:
-        _wait_for(lambda: max(logged_losses(tmp_path / "out-1"), default=0) >= 6, "site 1", 300)
+    try:  # the site that starts first trains alone until the other joins and heals from it
+        _wait_for(lambda: _both_trained(tmp_path, 6), "both sites at step 6", 300)
         workers = worker_pids(procs[0].pid)
         _kill_tree(procs[1])
+        killed = len(logs[0].read_text()), max(logged_losses(tmp_path / "out-0"), default=0)
         record = read_position(tmp_path / "site-1", 0)  # its last committed sync's
         assert record is not None
-        _wait_for(lambda: max(logged_losses(tmp_path / "out-0")) >= 14, "site 0 alone", 120)
+        for folder in ("site-1", "out-1"):  # its disk is gone: a new machine
+            shutil.rmtree(tmp_path / folder)
+        _wait_for(
+            lambda: max(logged_losses(tmp_path / "out-0"), default=0) >= 14, "site 0 alone", 120
+        )
         before = len(logs[1].read_text())
         procs[1] = _site(tmp_path, 1, steps, lighthouse, logs[1])
         _wait_for(lambda: "ready to train" in logs[1].read_text()[before:], "site 1 again")
@@ -226,13 +256,16 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
                 _kill_tree(proc)
     print(f"kill and heal test: {time.monotonic() - started:.1f} s")  # pytest -s
     site0, again = logs[0].read_text(), logs[1].read_text()[before:]
-    assert "sites: healed" not in site0 and "attempt 2" not in site0, site0[-3000:]
+    assert "sites: healed" not in site0[killed[0] :] and "attempt 2" not in site0, site0[-3000:]
     healed = [line for line in again.splitlines() if "sites: healed from a live site" in line]
     assert len(healed) == 1, again[-4000:]
     print(healed[0])
-    assert f"own data position of step {record[0]} " in again, again[-4000:]
+    taken = re.search(r"own data position of step (\d+) .*, from its copy on a live site", again)
+    assert taken is not None, again[-4000:]
+    assert int(taken.group(1)) in (record[0], record[0] + 2)  # a kill between commit and write
     assert "sites: healed, training on from step 20" in again, again[-4000:]
-    assert sorted(logged_losses(tmp_path / "out-0")) == list(range(1, steps + 1))
+    trained = sorted(step for step in logged_losses(tmp_path / "out-0") if step >= killed[1])
+    assert trained == list(range(max(killed[1], 1), steps + 1))  # every step, none lost
     want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
     for name, tensor in want.items():
         assert torch.equal(have[name], tensor), name

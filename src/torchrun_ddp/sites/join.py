@@ -17,12 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
+import torch
+
 from torchrun_ddp.build import Trainer
 from torchrun_ddp.inputs import checkpoint_root
 from torchrun_ddp.optim import SyncedState
 from torchrun_ddp.sites.diloco import SiteDiLoCo
 from torchrun_ddp.sites.link import HealState
-from torchrun_ddp.sites.positions import read_position, write_position
+from torchrun_ddp.sites.positions import pack, read_position, unpack, write_position
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -37,10 +39,12 @@ def heal_state(trainer: Trainer, optimizer: SiteDiLoCo, in_step: bool) -> HealSt
     """This site's state for a healing peer, taken at a sync: the synced parameters and outer
     momentum (fp32, the parameters' shapes), the step the sync completes (``in_step``: the sync
     runs inside an optimizer step, which counts) and the tokens trained over all ranks."""
+    assert optimizer.link is not None
     return {
         "outer": SyncedState(optimizer).state_dict(),
         "step": trainer.step + int(in_step),
         "tokens_seen": trainer.tokens_seen,
+        "positions": {str(site): blob for site, blob in optimizer.link.book.items()},
     }
 
 
@@ -53,6 +57,9 @@ def take_heal_state(
     model."""
     SyncedState(optimizer).load_state_dict(cast(Mapping[str, object], state["outer"]))
     trainer.step = int(cast(int, state["step"])) - int(in_step)
+    assert optimizer.link is not None
+    books = cast(Mapping[str, torch.Tensor], state.get("positions", {}))
+    optimizer.link.book = {int(site): blob for site, blob in books.items()}
     trainer.tokens_seen = int(cast(int, state["tokens_seen"]))
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
         warnings.simplefilter("ignore", UserWarning)
@@ -81,23 +88,34 @@ def join_sites(trainer: Trainer) -> None:
         log.info("sites: healed, training on from step %d", trainer.step)
         take_own_position(trainer, root)
     joining[0] = False
+    site = trainer.config.site_id
+    link.share = lambda: pack(site, trainer.step + 1, trainer.data.state_dict())
 
 
 def take_own_position(trainer: Trainer, root: Path) -> None:
     """After a heal: this rank's data position at its last committed sync, from its record
-    under ``root``; where there is none (a new disk) the resumed checkpoint's, with a
-    warning."""
-    record = read_position(root, trainer.env.rank)
-    if record is None:
+    under ``root`` or from the copy a live site sent (``SiteLink.book``), whichever is newer;
+    where there is neither (a new disk, and no committed sync of this site while the live site
+    was up) the resumed checkpoint's, with a warning."""
+    optimizer = site_optimizer(trainer)
+    assert optimizer is not None and optimizer.link is not None
+    found: list[tuple[int, Mapping[str, object], str]] = []
+    if record := read_position(root, trainer.env.rank):
+        found.append((*record, "its own disk"))
+    blob = optimizer.link.book.get(trainer.config.site_id)
+    if blob is not None:
+        found.append((*unpack(blob)[1:], "its copy on a live site"))
+    if not found:
         log.warning(
-            "sites: no record of this rank's data position at its last committed sync under "
-            "%s: going on from the resumed checkpoint's (or the start's)",
+            "sites: no record of this rank's data position at its last committed sync, on its "
+            "disk (%s) or on a live site: going on from the resumed checkpoint's (or the "
+            "start's)",
             root / "sites",
         )
         return
-    step, position = record
+    step, position, source = max(found, key=lambda entry: entry[0])
     trainer.data.load_state_dict(position)
-    log.info("sites: own data position of step %d (its last committed sync)", step)
+    log.info("sites: own data position of step %d (its last committed sync), from %s", step, source)
 
 
 def leave_sites(trainer: Trainer) -> None:

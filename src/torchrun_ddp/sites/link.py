@@ -27,6 +27,7 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from torchrun_ddp.checkpoint.heal import HealTransport
+from torchrun_ddp.sites.positions import gather_blobs, unpack
 from torchrun_ddp.sites.settings import SiteSettings
 
 log = logging.getLogger("torchrun_ddp")
@@ -53,6 +54,13 @@ class SiteLink:
         self._take: Callable[[HealState], None] = lambda state: None
         self.after_commit: Callable[[], None] = lambda: None
         """Called after every committed sync but a site's join (``SiteDiLoCo``)."""
+        self.share: Callable[[], torch.Tensor] = lambda: torch.zeros(0, dtype=torch.uint8)
+        """This rank's packed data position to share at a sync (``positions.pack``; empty:
+        none, as in a site's join)."""
+        self.book: dict[int, torch.Tensor] = {}
+        """Site -> its rank's packed data position at its last committed sync (``positions``:
+        the copy on the peers)."""
+        self.timeout = timeout
         store = settings.address or os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.manager = Manager(
             pg=self.group, load_state_dict=self._load, state_dict=self._state,
@@ -95,7 +103,11 @@ class SiteLink:
         work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
         work.wait()
         self.participants = self.manager.num_participants()
+        gathered = self._gather()
         committed = self.manager.should_commit()
+        if committed:
+            for blob in filter(torch.Tensor.numel, gathered):
+                self.book[unpack(blob)[0]] = blob
         if not committed:
             log.warning(
                 "sites: sync %d not committed (a site failed during it): its update is "
@@ -103,6 +115,18 @@ class SiteLink:
                 self.manager.current_step(),
             )
         return committed
+
+    def _gather(self) -> list[torch.Tensor]:
+        """Every live site's packed data position (``share``) by an all-gather on the
+        Managers' group; [] after an error in this sync, which is reported to the Manager (the
+        vote then drops the sync)."""
+        if self.manager.errored() is not None:
+            return []
+        try:
+            return gather_blobs(self.group, self.share(), self.timeout)
+        except RuntimeError as exc:  # gloo's error for a site lost during the sync
+            self.manager.report_error(exc)
+            return []
 
     def close(self) -> None:
         """Stop the Manager's server and threads (the lighthouse then times this site out)."""
