@@ -7,6 +7,12 @@
 # A crashed worker makes torchrun restart the whole group (up to MAX_RESTARTS times); the
 # restarted workers resume from the newest complete checkpoint.
 # PRINT_ONLY=1 prints the torchrun command (shell-quoted) instead of running it.
+# --fault-tolerance sites (docs/fault-tolerance.md#fault-tolerant-sites): each site runs run.sh
+# as its own job; LIGHTHOUSE=1 also starts the torchft lighthouse on this host (in the
+# background, stopped when torchrun exits), `./run.sh lighthouse` runs only the lighthouse.
+#   LIGHTHOUSE_BIND ([::]:29510), LIGHTHOUSE_MIN_SITES (1), LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS
+#   (5000: a site silent that long is dead), LIGHTHOUSE_JOIN_TIMEOUT_MS (60000: how long a
+#   quorum waits for a site that heartbeats but has not asked for it, one that is starting).
 # The working directory stays the caller's: relative --config, --data-files and --output-dir
 # paths mean what they mean where the command was typed.
 set -euo pipefail
@@ -30,8 +36,25 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:
 
 if command -v uv >/dev/null 2>&1; then
   TORCHRUN=(uv run --project "$REPO" torchrun)
+  LIGHTHOUSE_BIN=(uv run --project "$REPO" torchft_lighthouse)
 else
   TORCHRUN=(torchrun)
+  LIGHTHOUSE_BIN=(torchft_lighthouse)
+fi
+LIGHTHOUSE_COMMAND=(
+  "${LIGHTHOUSE_BIN[@]}"
+  --bind "${LIGHTHOUSE_BIND:-[::]:29510}"
+  --min_replicas "${LIGHTHOUSE_MIN_SITES:-1}"
+  --heartbeat_timeout_ms "${LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS:-5000}"
+  --join_timeout_ms "${LIGHTHOUSE_JOIN_TIMEOUT_MS:-60000}"
+)
+if [ "${1:-}" = lighthouse ]; then
+  if [ "${PRINT_ONLY:-0}" = 1 ]; then
+    printf '%q ' "${LIGHTHOUSE_COMMAND[@]}"
+    printf '\n'
+    exit 0
+  fi
+  exec "${LIGHTHOUSE_COMMAND[@]}"
 fi
 
 # NNODES=MIN:MAX is elastic: nodes may leave and join; the c10d rendezvous numbers them, so no
@@ -54,8 +77,19 @@ COMMAND=(
   "$REPO/train.py" "$@"
 )
 if [ "${PRINT_ONLY:-0}" = 1 ]; then
+  if [ "${LIGHTHOUSE:-0}" = 1 ]; then
+    printf '%q ' "${LIGHTHOUSE_COMMAND[@]}"
+    printf '&\n'
+  fi
   printf '%q ' "${COMMAND[@]}"
   printf '\n'
   exit 0
+fi
+if [ "${LIGHTHOUSE:-0}" = 1 ]; then
+  "${LIGHTHOUSE_COMMAND[@]}" &
+  LIGHTHOUSE_PID=$!
+  trap 'kill "$LIGHTHOUSE_PID" 2>/dev/null || true' EXIT
+  "${COMMAND[@]}"
+  exit $?
 fi
 exec "${COMMAND[@]}"

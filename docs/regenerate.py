@@ -94,6 +94,8 @@ def parse_command(line: str) -> Command | None:
     for index, word in enumerate(words):
         if word.startswith("benchmarks/") and word.endswith(".py"):
             return Command(word, tuple(words[index + 1 :]), tuple(env), (), grep_pattern(grep))
+        if word.endswith("run.sh") and words[index + 1 : index + 2] == ["lighthouse"]:
+            return None  # run.sh's lighthouse command runs no train.py (tests/test_launch.py)
         if word.endswith(("train.py", "run.sh", "train.sbatch")):
             clusters = launcher_clusters(word, words[:index], dict(env))
             args = tuple(words[index + 1 :])
@@ -228,8 +230,9 @@ def block_output(command: str) -> str:
 
 
 def render_block(command: str) -> str:
-    """The text between a block's markers: the command in a bash block, then its output."""
-    return f"```bash\n{command}\n```\n\n```\n{block_output(command)}\n```\n"
+    """The text between a block's markers: the command in a bash block, then its output in a
+    text block (not read as commands)."""
+    return f"```bash\n{command}\n```\n\n```text\n{block_output(command)}\n```\n"
 
 
 def generated_commands(text: str) -> list[str]:

@@ -19,7 +19,7 @@ from distributed_harness import folder_args, logged_losses, run_distributed
 from tiny_models import LogLines, digest, train_in_group
 
 from torchrun_ddp.checkpoint import MANIFEST, inventory, verify_step
-from torchrun_ddp.checkpoint.manifest import UNVERIFIED
+from torchrun_ddp.checkpoint.manifest import MANIFEST_KEY, UNVERIFIED
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import PERTURB_ENV
 
@@ -65,6 +65,23 @@ def _flip(file: Path, count: int = 4096) -> None:
 
 def _shard(step_dir: Path) -> Path:
     return sorted((step_dir / "dcp").glob("shard-*.safetensors"))[-1]
+
+
+def _flip_weight(step_dir: Path, key: str, count: int = 4096) -> Path:
+    """Invert ``count`` bytes in the middle of the model tensor ``key``'s data in whichever DCP
+    shard of ``step_dir`` holds it (read from the safetensors header); returns that shard."""
+    for shard in sorted((step_dir / "dcp").glob("shard-*.safetensors")):
+        data = bytearray(shard.read_bytes())
+        header = int.from_bytes(data[:8], "little")
+        tensors = json.loads(data[8 : 8 + header])
+        if key not in tensors:
+            continue
+        begin, end = tensors[key]["data_offsets"]
+        start = 8 + header + (begin + end) // 2 - count // 2
+        data[start : start + count] = bytes(b ^ 0xFF for b in data[start : start + count])
+        shard.write_bytes(bytes(data))
+        return shard
+    raise AssertionError(f"no shard of {step_dir} holds {key}")
 
 
 @pytest.fixture(scope="module")
@@ -189,12 +206,40 @@ def test_a_damaged_buddy_copy_is_found_and_a_step_without_manifest_loads_unverif
     buddy = tmp_path / "node-0" / "step-6" / "rank-2.safetensors"  # node 1's rank, kept here
     _flip(buddy, 64)
     assert verify_step(buddy.parent).startswith(f"{buddy} does not match")
-    (tmp_path / "node-0" / "step-4" / MANIFEST).unlink()  # as older code wrote it
-    assert verify_step(tmp_path / "node-0" / "step-4") == UNVERIFIED
+    old_step = tmp_path / "node-0" / "step-4"
+    (old_step / MANIFEST).unlink()  # as older code wrote it: no manifest, no key saying one
+    meta = json.loads((old_step / "meta.json").read_text())
+    assert meta.pop(MANIFEST_KEY) == 1
+    (old_step / "meta.json").write_text(json.dumps(meta))
+    assert verify_step(old_step) == UNVERIFIED
+    (tmp_path / "node-0" / "step-2" / MANIFEST).unlink()  # this version's step lost its manifest
+    assert verify_step(tmp_path / "node-0" / "step-2").endswith("says it was saved with one")
     listed = inventory(tmp_path / "node-0")
-    assert sorted(listed["steps"]) == ["2", "4"]  # 6 counts as absent, 4 loads unverified
-    assert list(listed["damaged"]) == ["6"] and str(buddy) in listed["damaged"]["6"]
+    assert sorted(listed["steps"]) == ["4"]  # 2 and 6 count as absent, 4 loads unverified
+    assert sorted(listed["damaged"]) == ["2", "6"] and str(buddy) in listed["damaged"]["6"]
     assert sorted(inventory(tmp_path / "node-0", verify="off")["steps"]) == ["2", "4", "6"]
+
+
+def test_a_step_that_lost_its_manifest_and_has_a_flipped_shard_is_never_loaded(
+    shared_run: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    """Issue 60: a user's disk deletes the newest step's manifest and flips 4 KiB of its shard;
+    its meta.json says this version saved it with a manifest, so it is damaged: set aside, the
+    previous step resumed, and the run ends bit-identical (not from the corrupt tensors)."""
+    reference, digests = shared_run
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    newest = tmp_path / "ckpt" / "step-6"
+    (newest / MANIFEST).unlink()
+    shard = _flip_weight(newest, "train/model/lm_head.weight")  # loaded, it changes the weights
+    resumed = _run(tmp_path, 6)
+    assert [r["digest"] for r in resumed] == digests
+    lines = resumed[0]["lines"]
+    assert not any("loaded unverified" in line for line in lines)
+    damage = [line for line in lines if "is damaged" in line]
+    assert len(damage) == 1 and str(newest / MANIFEST) in damage[0], damage
+    assert any("resumed from" in line and line.endswith("at step 4") for line in lines), lines
+    assert (tmp_path / "ckpt" / "step-6.damaged" / "dcp" / shard.name).is_file()
+    assert verify_step(newest) == ""  # saved again, with its manifest
 
 
 def test_a_damaged_file_in_one_node_folder_is_replaced_from_the_peer_and_ends_bit_identical(

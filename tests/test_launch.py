@@ -113,3 +113,26 @@ def test_slurm_example_needs_the_repository(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "no run.sh" in result.stderr and "TORCHRUN_DDP_DIR" in result.stderr
+
+
+def test_run_sh_starts_the_lighthouse_of_fault_tolerant_sites_beside_or_alone() -> None:
+    env = {**os.environ, "PRINT_ONLY": "1", "LIGHTHOUSE": "1", "LIGHTHOUSE_MIN_SITES": "2"}
+    env |= {"LIGHTHOUSE_BIND": "10.8.0.1:29510", "LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS": "2000"}
+    beside = subprocess.run(
+        [str(REPO / "run.sh"), "--fault-tolerance", "sites"],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    lighthouse, torchrun = (shlex.split(line) for line in beside.stdout.splitlines())
+    assert lighthouse[-1] == "&"  # in the background, before the site's own torchrun
+    start = lighthouse.index("torchft_lighthouse")
+    assert lighthouse[start:-1] == [
+        "torchft_lighthouse", "--bind", "10.8.0.1:29510", "--min_replicas", "2",
+        "--heartbeat_timeout_ms", "2000", "--join_timeout_ms", "60000",
+    ]  # fmt: skip
+    assert torchrun[-2:] == ["--fault-tolerance", "sites"]
+    alone = subprocess.run(
+        [str(REPO / "run.sh"), "lighthouse"],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    [words] = [shlex.split(line) for line in alone.stdout.splitlines()]
+    assert words[words.index("torchft_lighthouse") :] == lighthouse[start:-1]

@@ -55,6 +55,7 @@ from torchrun_ddp.plan import (
     model_flops_per_token,
     parameter_count,
 )
+from torchrun_ddp.sites import data_place
 from torchrun_ddp.training_data import (
     ExampleFormat,
     MultipleChoiceQuestion,
@@ -167,13 +168,14 @@ def build_train_data(
     """This rank's micro-batches of the global document order (``training_data``: read and
     packed in a worker process, resumable, re-split at another world size), grouped by
     optimizer step and read ahead (``lookahead``)."""
+    rank, world_size = data_place(config, env.rank, env.world_size)
     loader = build_train_loader(
         inputs.train_documents,
         inputs.tokenizer,
         config.seq_length,
         config.batch_size,
-        env.rank,
-        env.world_size,
+        rank,
+        world_size,
         epochs=config.epochs,
         shuffle_buffer=config.shuffle_buffer,
         seed=config.seed,
@@ -278,7 +280,7 @@ def build_trainer(
     model, compression = built.model, built.compression
     optimizer = method.build(model, compression, mode)
     scheduler = build_scheduler(optimizer, schedule_settings(config))
-    torch.manual_seed(config.seed + env.rank)
+    torch.manual_seed(config.seed + data_place(config, env.rank, env.world_size)[0])
     compute_dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
     peak, peak_source = config.peak_tflops * 1e12, "--peak-tflops"
     if not config.peak_tflops:

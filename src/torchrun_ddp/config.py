@@ -411,6 +411,56 @@ class TrainConfig:
         "per-step graph checks. Valid where every trainable parameter gets a gradient every step "
         "(all tested causal LMs, MoE included).",
     )
+    # Fault-tolerant sites
+    fault_tolerance: str = opt(
+        "none",
+        "none: one torchrun job over every node, a lost node restarts it "
+        "(docs/fault-tolerance.md); sites: each site is its own torchrun job and a torchft "
+        "replica group, the sites meet through a torchft lighthouse (--lighthouse), a lost "
+        "site's pseudo-gradient is dropped and the others train on, and a site that comes back "
+        "heals from a live one "
+        "(docs/fault-tolerance.md#fault-tolerant-sites).",
+        choices=["none", "sites"],
+    )
+    site_id: int = opt(0, "--fault-tolerance sites: this site's index, 0 .. --sites - 1.")
+    sites: int = opt(
+        0,
+        "--fault-tolerance sites: the sites the run trains on (each the same ranks); the data "
+        "is split over sites x ranks, so each site trains its own documents.",
+    )
+    lighthouse: str = opt(
+        "",
+        "--fault-tolerance sites: the torchft lighthouse, host:port (or http://host:port); "
+        "empty: the TORCHFT_LIGHTHOUSE variable.",
+    )
+    site_address: str = opt(
+        "",
+        "--fault-tolerance sites: the host this site advertises to the others for its store "
+        "and its torchft manager (reachable from every site); empty: MASTER_ADDR for the store, "
+        "the host name for the manager.",
+    )
+    quorum_timeout_s: int = opt(
+        0,
+        "--fault-tolerance sites: seconds a quorum may take, lighthouse retries included (the "
+        "longest lighthouse outage survived); 0 means --train-timeout-s.",
+    )
+    quorum_retries: int = opt(
+        10,
+        "--fault-tolerance sites: retries of a failed lighthouse call within "
+        "--quorum-timeout-s before the site's ranks fail (torchft's quorum_retries; on by "
+        "default, torchft's own default is 0).",
+    )
+    site_timeout_s: int = opt(
+        0,
+        "--fault-tolerance sites: seconds a cross-site collective, commit vote or healing "
+        "transfer may take (torchft's Manager timeout); 0 means --train-timeout-s.",
+    )
+    site_heartbeat_ms: int = opt(
+        100,
+        "--fault-tolerance sites: milliseconds between a site's heartbeats to the lighthouse; "
+        "the lighthouse's --heartbeat_timeout_ms (run.sh: LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS) "
+        "must be several of them.",
+    )
     # Checkpoints and resume
     checkpoint_dir: str = opt(
         "",

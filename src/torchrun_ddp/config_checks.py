@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from torchrun_ddp.config import TrainConfig, flag_name
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.methods import Owners, check_methods, refuse_unused
+from torchrun_ddp.methods import Owners, check_methods, check_sites_method, refuse_unused
 from torchrun_ddp.parallel.modes import check_modes
+from torchrun_ddp.sites import check_sites
 
 _POSITIVE = ("seq_length", "batch_size", "accumulation_steps", "learning_rate", "epochs")
 _POSITIVE += ("log_every", "eval_batches", "restart_every", "restart_mult", "timeout_s")
@@ -65,6 +66,8 @@ def _validate_combinations(config: TrainConfig, given: frozenset[str]) -> None:
     check_modes(config, given)
     refuse_unused(config, given, {**LORA_FLAGS, **SCHEDULE_FLAGS})
     check_methods(config, given)
+    check_sites(config, given)
+    check_sites_method(config)
     if config.ddp_static_graph and config.accumulation_steps > 1:
         raise UserError(
             "--ddp-static-graph does not work with --accumulation-steps > 1 (torch's DDP "

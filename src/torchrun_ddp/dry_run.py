@@ -265,10 +265,11 @@ def checkpoint_plan(
     optimizer = method.checkpoint_bytes(sizes)
     replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook
     sizes = checkpoint_sizes(config, plan.parameters, trained, replicated, per_rank)
+    heal = replicated if config.fault_tolerance == "sites" else 0  # what a live site sends
     mode = run_mode(config, world)
     if not mode.accepts_node_folders(config):
         return shared_checkpoint_table(sizes, world, mode.name)
-    return checkpoint_table(sizes, config, world, per_node)
+    return checkpoint_table(sizes, config, world, per_node, heal)
 
 
 def local_update_memory_table(rows: list[MemoryRow], method: Method) -> str:

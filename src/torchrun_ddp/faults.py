@@ -12,7 +12,10 @@ ranks: at the same record).
 ``TORCHRUN_DDP_PERTURB=KIND:N[,KIND:N...]`` (``perturbation``) changes the run instead of
 killing it, for tests/test_damaged_checkpoints.py only: ``nan-loss:STEP`` makes every rank's
 loss NaN at optimizer step ``STEP``; ``replica:RANK`` changes rank ``RANK``'s replicated state
-after a resume has loaded it (before the ranks compare it).
+after a resume has loaded it (before the ranks compare it). For tests/test_sites.py:
+``hold:STEP`` makes every rank wait before optimizer step ``STEP`` until the file
+``TORCHRUN_DDP_HOLD_FILE`` names exists (``hold_point``: a test paces a live site so that a
+restarted one is back before the run ends).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 ENV = "TORCHRUN_DDP_FAULT"
 PERTURB_ENV = "TORCHRUN_DDP_PERTURB"
-PERTURBATIONS = ("nan-loss", "replica")
+PERTURBATIONS = ("nan-loss", "replica", "hold")
+HOLD_ENV = "TORCHRUN_DDP_HOLD_FILE"
 POINTS = ("step", "checkpoint-write", "publish", "metrics")
 
 
@@ -61,6 +66,16 @@ def perturbation(kind: str) -> int | None:
         if name == kind:
             return int(number)
     return None
+
+
+def hold_point(step: int) -> None:
+    """Wait before optimizer step ``step`` while ``TORCHRUN_DDP_PERTURB`` names ``hold:step``
+    and the file ``TORCHRUN_DDP_HOLD_FILE`` does not exist (nothing by default)."""
+    if perturbation("hold") != step:
+        return
+    path = os.environ.get(HOLD_ENV, "")
+    while path and not os.path.exists(path):
+        time.sleep(0.05)
 
 
 def _rank() -> int:

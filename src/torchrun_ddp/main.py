@@ -13,6 +13,7 @@ synchronisation. Evaluate and checkpoint on their cadences.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,7 @@ from torchrun_ddp.distributed import (
 from torchrun_ddp.dry_run import dry_run, plan_model_config
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
-from torchrun_ddp.faults import fault_point, perturbation
+from torchrun_ddp.faults import fault_point, hold_point, perturbation
 from torchrun_ddp.inputs import (
     Inputs,
     check_inputs,
@@ -88,6 +90,8 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
         if finished and config.save_at_end:
             save_final_model(trainer)
         trainer.metrics.close()
+        if config.fault_tolerance == "sites":
+            sites_join().leave_sites(trainer)
         return finished
     except DataError as exc:
         if env.is_main:
@@ -136,11 +140,18 @@ def start(
     return trainer
 
 
+def sites_join() -> ModuleType:
+    """``sites.join``, imported only for a run across sites (torchft's imports take about 3 s)."""
+    return importlib.import_module("torchrun_ddp.sites.join")
+
+
 def train(trainer: Trainer) -> bool:
     """The training loop. Returns True when training finished (step limit or end of data) and
     False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
     config = trainer.config
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
+    if config.fault_tolerance == "sites":
+        sites_join().join_sites(trainer)  # a site behind the live ones heals here
     first_step = trainer.step + 1
     with StopRequest() as stop:
         data_ends, stopping = check_in(trainer, max_steps, stop.requested)
@@ -276,6 +287,7 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
     )
     trainer.method.after_backward()  # hsdp with a comm hook: the shards across replicas
     fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
+    hold_point(trainer.step + 1)  # tests only (TORCHRUN_DDP_PERTURB hold)
     if perturbation("nan-loss") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
         loss = loss * math.nan
     grad_norm = trainer.parallel.clip_grad_norm(trainer.model, trainer.config.max_grad_norm)

@@ -161,7 +161,8 @@ def list_folder(root: Path, resume_from: str = "", verify: str = "full") -> Inve
     size or off; the seconds are logged). A step whose meta.json cannot be read is left out
     (with a warning): it cannot be resumed. A damaged step is left out too, as if the folder
     lacked it, with one warning line naming the file; ``damaged`` maps its step to that
-    clause. A step without a manifest (older code) is listed, with a warning.
+    clause. A step without a manifest is listed, with a warning, only where older code saved it
+    (its meta.json does not say it was saved with one); otherwise it is damaged.
 
     Raises UserError for an unreadable run.json, OSError for a folder that cannot be listed."""
     steps: dict[int, StepListing] = {}
@@ -200,7 +201,7 @@ def inventory(root: Path, resume_from: str = "", verify: str = "full") -> JsonOb
 
 def _verified(path: Path, verify: str) -> str:
     """``manifest.verify_step``'s clause for a damaged step ("" otherwise), logged in one line;
-    a step without a manifest is logged as unverified and counts as intact."""
+    a step of older code without a manifest is logged as unverified and counts as intact."""
     problem = verify_step(path, verify)
     if problem == UNVERIFIED:
         log.warning("%s has no %s (saved by an older version): loaded unverified", path, MANIFEST)

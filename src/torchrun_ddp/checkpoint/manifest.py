@@ -2,8 +2,10 @@
 with its size and SHA-256, and a step is checked against it before anything of it is loaded.
 
 The manifest is written into ``step-<N>.tmp/`` before the folder is published, so a step with
-the ``COMPLETE`` marker always has one (steps saved by older code have none: they are loaded
-unverified, with a warning). Files written by the project's own code (per-rank files,
+the ``COMPLETE`` marker always has one, and its ``meta.json`` says so (``MANIFEST_KEY``). A step
+whose meta.json says so but which has no manifest lost it (a torn copy, a user's cleanup): it is
+damaged, never loaded unverified. Only steps saved before manifests existed (no such key) load
+unverified, with a warning. Files written by the project's own code (per-rank files,
 ``shared.json``, ``meta.json``, buddy copies and copies from a peer) are hashed while they are
 written; DCP's shard files are hashed after DCP wrote them, each by one rank of the folder's
 storage domain (``dcp_share``).
@@ -26,12 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchrun_ddp.checkpoint.codec import write_json
+from torchrun_ddp.checkpoint.folders import META_JSON
 from torchrun_ddp.checkpoint.ranks import JsonObject, json_list, json_object
 
 MANIFEST = "manifest.json"
 VERIFY_MODES = ("full", "size", "off")
 UNVERIFIED = "unverified"
-"""``verify_step``'s answer for a step without a manifest (written by older code)."""
+"""``verify_step``'s answer for a step without a manifest saved by older code (its meta.json has
+no ``MANIFEST_KEY``)."""
+MANIFEST_KEY = "manifest_version"
+"""The meta.json key of a step saved with a manifest (its format version, 1): ``save_checkpoint``
+writes it, and a step that has it but no manifest is damaged."""
+MANIFEST_VERSION = 1
 _READ_BYTES = 8 * 2**20
 _RANK_FILE = re.compile(r"rank-\d+\.(json|safetensors)")
 
@@ -123,10 +131,11 @@ def read_manifest(step_dir: Path) -> dict[str, Entry] | None:
 
 def verify_step(step_dir: Path, mode: str = "full") -> str:
     """Check ``step_dir``'s files against its manifest: ``""`` when they match (or ``mode`` is
-        ``off``), ``UNVERIFIED`` without a manifest, else one clause naming the first damaged file
-        (missing, another size, or with ``full`` another SHA-256). A missing per-rank file is not
-    damage: the start plans for lost per-rank files (``peers``). Reads every listed file with
-        ``full``, only their sizes with ``size``. Raises ValueError for an unknown ``mode``."""
+    ``off``), ``UNVERIFIED`` without a manifest on a step older code saved (``missing_manifest``),
+    else one clause naming the first damaged file (missing, another size, or with ``full``
+    another SHA-256), or the manifest a step saved with one lacks. A missing per-rank file is
+    not damage: the start plans for lost per-rank files (``peers``). Reads every listed file
+    with ``full``, only their sizes with ``size``. Raises ValueError for an unknown ``mode``."""
     if mode not in VERIFY_MODES:
         raise ValueError(f"unknown verification mode {mode!r}; choose one of {VERIFY_MODES}")
     if mode == "off":
@@ -136,13 +145,32 @@ def verify_step(step_dir: Path, mode: str = "full") -> str:
     except ValueError as exc:
         return str(exc)
     if files is None:
-        return UNVERIFIED
+        return missing_manifest(step_dir) or UNVERIFIED
     for name, entry in sorted(files.items()):
         if _RANK_FILE.fullmatch(name) and not (step_dir / name).exists():
             continue  # a lost rank's files: the plan serves them from a buddy copy or rebuilds
         if problem := _check_file(step_dir / name, entry, mode):
             return problem
     return ""
+
+
+def saved_with_manifest(meta: Mapping[str, object]) -> bool:
+    """Whether a step's meta.json (``meta``) says it was saved with a manifest."""
+    return meta.get(MANIFEST_KEY) is not None
+
+
+def missing_manifest(step_dir: Path) -> str:
+    """Why ``step_dir``, which has no manifest, is damaged: its meta.json says this version
+    saved it with one (``MANIFEST_KEY``), or cannot be read; "" for a step of older code (no
+    such key), which may load unverified."""
+    meta_path = step_dir / META_JSON
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{step_dir / MANIFEST} is missing and {meta_path} cannot be read ({exc})"
+    if isinstance(meta, dict) and not saved_with_manifest(meta):
+        return ""
+    return f"{step_dir / MANIFEST} is missing, though its {META_JSON} says it was saved with one"
 
 
 def _check_file(path: Path, entry: Entry, mode: str) -> str:
@@ -161,15 +189,16 @@ def _check_file(path: Path, entry: Entry, mode: str) -> str:
 def check_received(step_dir: Path, entries: Mapping[str, Entry]) -> str:
     """Compare the files a peer sent into ``step_dir`` (``entries``: size and SHA-256, hashed
     while receiving) with the sender's manifest that came with them, then make the manifest
-    this folder's own (the files it received). "" when they match (or no manifest came: older
-    code), else one clause naming the first file that differs. Raises OSError when the manifest
-    cannot be written."""
+    this folder's own (the files it received). "" when they match (or no manifest came with a
+    step of older code), else one clause naming the first file that differs, or the manifest
+    that a step saved with one came without. Raises OSError when the manifest cannot be
+    written."""
     try:
         files = read_manifest(step_dir)
     except ValueError as exc:
         return str(exc)
     if files is None:
-        return ""
+        return missing_manifest(step_dir)
     received = {name: entry for name, entry in entries.items() if name != MANIFEST}
     for name, got in sorted(received.items()):
         want = files.get(name)

@@ -13,7 +13,8 @@ for how it is published) holding:
   with a ``{"__tensor__": key}`` placeholder wherever a tensor sits in ``dcp/``.
 - ``rank-<r>.safetensors`` + ``rank-<r>.json``: rank ``r``'s own state (data position, RNG
   states, compression residuals): tensors in the first file, everything else in the second.
-- ``meta.json``: ``step``, ``world_size`` and whatever the caller adds (fingerprints, config).
+- ``meta.json``: ``step``, ``world_size``, ``manifest_version`` (the step has a manifest:
+  ``manifest``) and whatever the caller adds (fingerprints, config).
 - ``COMPLETE``: an empty marker, written last.
 
 Nothing is pickled: DCP's default file format pickles its ``.metadata`` file and non-tensor
@@ -64,6 +65,8 @@ from torchrun_ddp.checkpoint.folders import (
     remove_incomplete,
 )
 from torchrun_ddp.checkpoint.manifest import (
+    MANIFEST_KEY,
+    MANIFEST_VERSION,
     Entry,
     dcp_share,
     entries_from_json,
@@ -128,7 +131,8 @@ def save_checkpoint(
     rank_tensors: dict[str, torch.Tensor] = {}
     rank_tree = split_tree(per_rank, "", rank_tensors)
     dcp_tensors = {**shared_tensors, **sharded_tensors(sharded or {})}
-    meta_text = json.dumps({**meta, "step": step, "world_size": world_size})
+    facts = {"step": step, "world_size": world_size, MANIFEST_KEY: MANIFEST_VERSION}
+    meta_text = json.dumps({**meta, **facts})
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
     if leader:
         remove_incomplete(root)

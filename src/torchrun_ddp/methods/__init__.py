@@ -97,6 +97,15 @@ def check_methods(config: TrainConfig, given: frozenset[str] = frozenset()) -> N
     refuse_unused(config, given, method_flag_owners())
 
 
+def check_sites_method(config: TrainConfig) -> None:
+    """Under --fault-tolerance sites: the method's own answer whether it exchanges across sites
+    (``Method.site_problem``). Raises UserError, one line naming the fix."""
+    if config.fault_tolerance != "sites":
+        return
+    if problem := METHODS[config.optimizer].site_problem(config):
+        raise UserError(f"--fault-tolerance sites: {problem}")
+
+
 __all__ = [
     "METHODS",
     "PRESETS",
@@ -110,6 +119,7 @@ __all__ = [
     "PlanSizes",
     "SparseLoCoMethod",
     "check_methods",
+    "check_sites_method",
     "method_class",
     "method_flag_owners",
     "method_for",

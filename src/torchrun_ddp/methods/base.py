@@ -132,6 +132,12 @@ class Method:
         return ()
 
     @classmethod
+    def site_problem(cls, config: TrainConfig) -> str:
+        """Why this method cannot exchange across fault-tolerant sites with ``config``
+        (``--fault-tolerance sites``), as a clause naming the fix; "" when it can."""
+        return f"--optimizer {cls.name} does not exchange across sites yet; use --optimizer diloco"
+
+    @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
         """Raise UserError for values of this method's flags out of range (checked whatever
         --optimizer is, as every flag is) and, when ``config`` chooses this method, for flags that

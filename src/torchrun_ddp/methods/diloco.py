@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import math
 
-from torchrun_ddp.compression import diloco_payload_bytes
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from torchrun_ddp.compression import CompressionState, diloco_payload_bytes
+from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.methods.base import FP32, CheckpointBytes, MemoryRow, PlanSizes
 from torchrun_ddp.methods.local_updates import LocalUpdatesMethod
 from torchrun_ddp.optim import PSEUDO_GRADIENT_DTYPES, DiLoCo, LocalUpdateSettings
+from torchrun_ddp.sites import site_settings
 
 
 class DiLoCoMethod(LocalUpdatesMethod):
@@ -27,6 +33,29 @@ class DiLoCoMethod(LocalUpdatesMethod):
     paper_local_steps = 500
     paper_outer_lr = 0.7
     reads_outer_momentum = True
+
+    @classmethod
+    def site_problem(cls, config: TrainConfig) -> str:
+        """DiLoCo syncs across sites at once (no --overlap-exchange yet)."""
+        if config.overlap_exchange:
+            return "DiLoCo syncs across sites without --overlap-exchange for now; drop it"
+        return ""
+
+    def build_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
+        """``LocalUpdatesMethod.build_optimizer``; under --fault-tolerance sites a
+        ``sites.SiteDiLoCo`` whose sync spans the live sites (its torchft Manager made here)."""
+        if self.config.fault_tolerance != "sites":
+            return super().build_optimizer(model, compression)
+        # torchft (about 3 s of imports) only for runs across sites
+        from torchrun_ddp.sites.diloco import SiteDiLoCo  # noqa: PLC0415
+        from torchrun_ddp.sites.link import SiteLink  # noqa: PLC0415
+
+        self.optimizer_class = SiteDiLoCo
+        optimizer = super().build_optimizer(model, compression)
+        assert isinstance(optimizer, SiteDiLoCo)
+        settings = site_settings(self.config)
+        optimizer.link = SiteLink(settings, dist.get_rank(), dist.get_world_size())
+        return optimizer
 
     @classmethod
     def describe_exchange(cls, settings: LocalUpdateSettings) -> str:

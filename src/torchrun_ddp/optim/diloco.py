@@ -33,6 +33,16 @@ class DiLoCo(LocalUpdates):
     def _start_exchange(self, start: list[torch.Tensor]) -> PendingSync:
         """The pseudo-gradient ``synced - local`` in one fp32 buffer (``synced``'s gradients are
         views of it) and its all-reduce (fp32, or a bf16 wire copy), started."""
+        flat, wire = self._pseudo_gradient()
+        own = self._parts(wire.float()) if self.settings.eager else []
+        self._count("all_reduce", wire.numel() * wire.element_size())
+        work = dist.all_reduce(wire, group=self.process_group, async_op=True)
+        return PendingSync(start, work=work, flat=flat, wire=wire, own=own)
+
+    def _pseudo_gradient(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(flat, wire)``: the pseudo-gradient ``synced - local`` in one fp32 buffer [N]
+        (``synced``'s gradients are views of it) and what goes on the wire (``flat`` itself,
+        or its copy in ``settings.pseudo_gradient_dtype``)."""
         numel = sum(p.numel() for p in self.trained)
         flat = torch.empty(numel, dtype=torch.float32, device=self.synced[0].device)
         offset = 0
@@ -42,11 +52,7 @@ class DiLoCo(LocalUpdates):
             copy.grad = view
             offset += copy.numel()
         dtype = PSEUDO_GRADIENT_DTYPES[self.settings.pseudo_gradient_dtype]
-        wire = flat if dtype == torch.float32 else flat.to(dtype)
-        own = self._parts(wire.float()) if self.settings.eager else []
-        self._count("all_reduce", wire.numel() * wire.element_size())
-        work = dist.all_reduce(wire, group=self.process_group, async_op=True)
-        return PendingSync(start, work=work, flat=flat, wire=wire, own=own)
+        return flat, flat if dtype == torch.float32 else flat.to(dtype)
 
     def _parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` (fp32 [N]) cut into the trained parameters' shapes (copies)."""

@@ -121,6 +121,9 @@ class DataParallel:
     MuLoCo) can run here (``check_exchanging_method``)."""
     sharded: ClassVar[bool] = False
     """Whether each rank holds a shard of the weights (FSDP2) rather than all of them."""
+    across_sites: ClassVar[bool] = False
+    """Whether a site of ``--fault-tolerance sites`` may run this mode inside it (its replicas
+    then exchange across the sites through torchft's process group)."""
     replicate_dim: ClassVar[bool] = False
     """Whether the mesh has a replicate dimension over which a sharded model's shards are
     exchanged (hsdp), by FSDP or by the training method itself."""

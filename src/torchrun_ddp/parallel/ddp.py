@@ -31,6 +31,7 @@ class DDP(DataParallel):
     """``--data-parallel ddp``: a mesh of ``world_size`` replicas of one rank each."""
 
     name = "ddp"
+    across_sites = True
 
     @classmethod
     def mesh_shape(cls, world_size: int, ranks_per_node: int, shard_degree: int = 0) -> MeshShape:

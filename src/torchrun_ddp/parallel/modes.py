@@ -65,6 +65,11 @@ def check_modes(config: TrainConfig, given: frozenset[str] = frozenset()) -> Non
                     f"not {mode.name}"
                 )
     mode.check_config(config, given)
+    if config.fault_tolerance == "sites" and not mode.across_sites:
+        raise UserError(
+            f"--fault-tolerance sites runs --data-parallel ddp inside each site for now, not "
+            f"{mode.name}; use --data-parallel ddp"
+        )
 
 
 def refusal_notes() -> dict[str, str]:

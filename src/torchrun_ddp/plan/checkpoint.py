@@ -44,8 +44,13 @@ def checkpoint_sizes(
     return CheckpointSizes(model + optimizer, per_rank)
 
 
-def checkpoint_table(sizes: CheckpointSizes, config: TrainConfig, world: int, per_node: int) -> str:
-    """The per-node rows as a Markdown table (GiB, and seconds at --plan-inter-node-gbit)."""
+def checkpoint_table(
+    sizes: CheckpointSizes, config: TrainConfig, world: int, per_node: int, heal: int = 0
+) -> str:
+    """The per-node rows as a Markdown table (GiB, and seconds at --plan-inter-node-gbit);
+    ``heal`` > 0 (``--fault-tolerance sites``): the bytes one rank of a healing site receives
+    from a live one (its synced fp32 parameters and outer momentum), a row for a node's ranks
+    sharing its link."""
     nodes = max(1, world // per_node)
     copies = min(config.buddy_copies, nodes - 1)
     link = config.plan_inter_node_gbit * 1e9 / 8  # bytes per second
@@ -58,6 +63,9 @@ def checkpoint_table(sizes: CheckpointSizes, config: TrainConfig, world: int, pe
         ("buddy copies a node sends per checkpoint", sent, sent / link),
         ("a wiped node's recovery from a peer", folder, folder / link),
     ]
+    if heal:
+        name = f"a site's healing from a live one, per node ({per_node} ranks' synced state)"
+        rows.append((name, per_node * heal, per_node * heal / link))
     title = (
         f"checkpoints with a folder per node: {world} ranks = {nodes} node(s) x {per_node}, "
         f"--buddy-copies {config.buddy_copies} ({copies} kept), links of "

@@ -1,0 +1,125 @@
+"""A site's start among the live sites, and what it sends a site that heals from it.
+
+``join_sites`` runs before the first step of a ``--fault-tolerance sites`` run: it tells the
+site's ``SiteLink`` what to send a healing peer (``heal_state``) and how to take a peer's state
+(``take_heal_state``), then joins (``SiteDiLoCo.join``). What a healing site takes: the synced
+parameters and the outer momentum (``SyncedState``), the step and the tokens trained; the
+learning-rate schedule is stepped on to that step. Its inner optimizer state stays its own (its
+checkpoint's, or the start's), and its data position is its own at its last committed sync
+(``positions``).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from torchrun_ddp.build import Trainer
+from torchrun_ddp.inputs import checkpoint_root
+from torchrun_ddp.optim import SyncedState
+from torchrun_ddp.sites.diloco import SiteDiLoCo
+from torchrun_ddp.sites.link import HealState
+from torchrun_ddp.sites.positions import pack, read_position, unpack, write_position
+
+log = logging.getLogger("torchrun_ddp")
+
+
+def site_optimizer(trainer: Trainer) -> SiteDiLoCo | None:
+    """The run's ``SiteDiLoCo`` under ``--fault-tolerance sites``, else None."""
+    optimizer = trainer.optimizer
+    return optimizer if isinstance(optimizer, SiteDiLoCo) else None
+
+
+def heal_state(trainer: Trainer, optimizer: SiteDiLoCo, in_step: bool) -> HealState:
+    """This site's state for a healing peer, taken at a sync: the synced parameters and outer
+    momentum (fp32, the parameters' shapes), the step the sync completes (``in_step``: the sync
+    runs inside an optimizer step, which counts) and the tokens trained over all ranks."""
+    assert optimizer.link is not None
+    return {
+        "outer": SyncedState(optimizer).state_dict(),
+        "step": trainer.step + int(in_step),
+        "tokens_seen": trainer.tokens_seen,
+        "positions": {str(site): blob for site, blob in optimizer.link.book.items()},
+    }
+
+
+def take_heal_state(
+    trainer: Trainer, optimizer: SiteDiLoCo, state: HealState, in_step: bool
+) -> None:
+    """Load a live peer's ``heal_state``: the outer state, the step, the tokens trained, and
+    the schedule stepped on to the step (``in_step``: the sync runs inside an optimizer step,
+    which the loop then counts and schedules). Raises ValueError for a state of another
+    model."""
+    SyncedState(optimizer).load_state_dict(cast(Mapping[str, object], state["outer"]))
+    trainer.step = int(cast(int, state["step"])) - int(in_step)
+    assert optimizer.link is not None
+    books = cast(Mapping[str, torch.Tensor], state.get("positions", {}))
+    optimizer.link.book = {int(site): blob for site, blob in books.items()}
+    trainer.tokens_seen = int(cast(int, state["tokens_seen"]))
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        while trainer.scheduler.last_epoch < trainer.step:
+            trainer.scheduler.step()
+
+
+def join_sites(trainer: Trainer) -> None:
+    """Collective over the live sites under ``--fault-tolerance sites`` (nothing otherwise):
+    register this site's healing state and its data position's record after each committed
+    sync (``positions``), and join (``SiteDiLoCo.join``). A site that healed goes on from its
+    own data position at its last committed sync (``take_own_position``)."""
+    optimizer = site_optimizer(trainer)
+    if optimizer is None or optimizer.link is None:
+        return
+    joining = [True]
+    link, root, rank = optimizer.link, checkpoint_root(trainer.config), trainer.env.rank
+    link.register(
+        lambda: heal_state(trainer, optimizer, not joining[0]),
+        lambda state: take_heal_state(trainer, optimizer, state, not joining[0]),
+    )
+    link.after_commit = lambda: write_position(
+        root, rank, trainer.step + 1, trainer.data.state_dict()
+    )
+    if optimizer.join():
+        log.info("sites: healed, training on from step %d", trainer.step)
+        take_own_position(trainer, root)
+    joining[0] = False
+    site = trainer.config.site_id
+    link.share = lambda: pack(site, trainer.step + 1, trainer.data.state_dict())
+
+
+def take_own_position(trainer: Trainer, root: Path) -> None:
+    """After a heal: this rank's data position at its last committed sync, from its record
+    under ``root`` or from the copy a live site sent (``SiteLink.book``), whichever is newer;
+    where there is neither (a new disk, and no committed sync of this site while the live site
+    was up) the resumed checkpoint's, with a warning."""
+    optimizer = site_optimizer(trainer)
+    assert optimizer is not None and optimizer.link is not None
+    found: list[tuple[int, Mapping[str, object], str]] = []
+    if record := read_position(root, trainer.env.rank):
+        found.append((*record, "its own disk"))
+    blob = optimizer.link.book.get(trainer.config.site_id)
+    if blob is not None:
+        found.append((*unpack(blob)[1:], "its copy on a live site"))
+    if not found:
+        log.warning(
+            "sites: no record of this rank's data position at its last committed sync, on its "
+            "disk (%s) or on a live site: going on from the resumed checkpoint's (or the "
+            "start's)",
+            root / "sites",
+        )
+        return
+    step, position, source = max(found, key=lambda entry: entry[0])
+    trainer.data.load_state_dict(position)
+    log.info("sites: own data position of step %d (its last committed sync), from %s", step, source)
+
+
+def leave_sites(trainer: Trainer) -> None:
+    """Stop this rank's torchft Manager (nothing without sites)."""
+    optimizer = site_optimizer(trainer)
+    if optimizer is not None and optimizer.link is not None:
+        optimizer.link.close()

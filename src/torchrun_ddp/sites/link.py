@@ -1,0 +1,133 @@
+"""One rank's link to the other sites: a torchft ``Manager`` over a torchft ``ProcessGroupGloo``
+that the lighthouse's quorum reconfigures to the live sites, healing through ``HealTransport``.
+
+The Manager of rank ``r`` of site ``s`` meets rank ``r`` of every other live site (torchft's
+replica groups: a site is one, its ranks the group's ranks). The site's own store (torchrun's, at
+MASTER_ADDR:MASTER_PORT, or ``--site-address``) is advertised to the lighthouse for the
+cross-site process group; the Manager's server advertises ``--site-address`` (else the host
+name) on TORCHFT_MANAGER_PORT (else a free port).
+
+A sync (``average``) takes a quorum, sums a tensor over the live sites and votes whether to
+commit (torchft's ``should_commit``: False when a collective of this sync failed, for instance a
+site died during it). A site whose step is behind the quorum's (one that restarted) receives a
+live site's state before its vote (``on_heal``), and contributes zeros to that sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+from torch.distributed import ReduceOp
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo
+
+from torchrun_ddp.checkpoint.heal import HealTransport
+from torchrun_ddp.sites.positions import gather_blobs, unpack
+from torchrun_ddp.sites.settings import SiteSettings
+
+log = logging.getLogger("torchrun_ddp")
+
+HealState = dict[str, object]
+"""What a live site sends a healing one: a tree of tensors and JSON values (``heal.encode``)."""
+
+
+class SiteLink:
+    """This rank's torchft Manager for ``settings``' site (module docstring); ``rank`` and
+    ``world_size``: the rank's place in its site (torchrun's RANK and WORLD_SIZE).
+
+    Call ``register`` (what to send and how to take a peer's state) before the first
+    ``average``. ``healed`` is True once this rank took a peer's state; ``participants`` is the
+    number of sites whose values the last ``average`` summed."""
+
+    def __init__(self, settings: SiteSettings, rank: int, world_size: int) -> None:
+        timeout = timedelta(seconds=settings.timeout_s)
+        self.group = ProcessGroupGloo(timeout=timeout)
+        self.transport = HealTransport(self.group, timeout)
+        self.healed = False
+        self.participants = 0
+        self._send: Callable[[], HealState] = dict
+        self._take: Callable[[HealState], None] = lambda state: None
+        self.after_commit: Callable[[], None] = lambda: None
+        """Called after every committed sync but a site's join (``SiteDiLoCo``)."""
+        self.share: Callable[[], torch.Tensor] = lambda: torch.zeros(0, dtype=torch.uint8)
+        """This rank's packed data position to share at a sync (``positions.pack``; empty:
+        none, as in a site's join)."""
+        self.book: dict[int, torch.Tensor] = {}
+        """Site -> its rank's packed data position at its last committed sync (``positions``:
+        the copy on the peers)."""
+        self.timeout = timeout
+        store = settings.address or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.manager = Manager(
+            pg=self.group, load_state_dict=self._load, state_dict=self._state,
+            min_replica_size=1, use_async_quorum=True, timeout=timeout,
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+            connect_timeout=timeout, rank=rank, world_size=world_size, store_addr=store,
+            store_port=int(os.environ.get("MASTER_PORT", "0")) or None,
+            lighthouse_addr=settings.lighthouse or None, replica_id=settings.replica_id,
+            hostname=settings.address or socket.gethostname(),
+            heartbeat_interval=timedelta(milliseconds=settings.heartbeat_ms),
+            checkpoint_transport=self.transport, init_sync=False,
+            quorum_retries=settings.quorum_retries,
+        )  # fmt: skip
+
+    def register(self, send: Callable[[], HealState], take: Callable[[HealState], None]) -> None:
+        """``send``: this site's state for a healing peer (called in torchft's quorum thread
+        while this rank waits for the quorum); ``take``: load a live peer's state (called in
+        ``average`` before the vote)."""
+        self._send, self._take = send, take
+
+    def _state(self) -> HealState:
+        return self._send()
+
+    def _load(self, state: HealState) -> None:
+        self._take(state)
+        self.healed = True
+        log.info(
+            "sites: healed from a live site at sync %d: %.2f MiB in %.3f s",
+            self.manager.current_step(), self.transport.last.bytes / 2**20,
+            self.transport.last.seconds,
+        )  # fmt: skip
+
+    def average(self, tensor: torch.Tensor) -> bool:
+        """Collective over the live sites: take the quorum, sum ``tensor`` in place over them
+        (zeros from a site that heals in this sync) and vote. Returns whether every rank of this
+        site commits the sync; ``participants`` is the sites summed. Raises RuntimeError when
+        the quorum cannot be formed within the quorum timeout (the lighthouse unreachable past
+        its retries)."""
+        self.manager.start_quorum()
+        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+        work.wait()
+        self.participants = self.manager.num_participants()
+        gathered = self._gather()
+        committed = self.manager.should_commit()
+        if committed:
+            for blob in filter(torch.Tensor.numel, gathered):
+                self.book[unpack(blob)[0]] = blob
+        if not committed:
+            log.warning(
+                "sites: sync %d not committed (a site failed during it): its update is "
+                "dropped, the local progress kept for the next sync",
+                self.manager.current_step(),
+            )
+        return committed
+
+    def _gather(self) -> list[torch.Tensor]:
+        """Every live site's packed data position (``share``) by an all-gather on the
+        Managers' group; [] after an error in this sync, which is reported to the Manager (the
+        vote then drops the sync)."""
+        if self.manager.errored() is not None:
+            return []
+        try:
+            return gather_blobs(self.group, self.share(), self.timeout)
+        except RuntimeError as exc:  # gloo's error for a site lost during the sync
+            self.manager.report_error(exc)
+            return []
+
+    def close(self) -> None:
+        """Stop the Manager's server and threads (the lighthouse then times this site out)."""
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,285 @@
+"""Fault-tolerant sites (``--fault-tolerance sites``, on torchft): each site its own torchrun job,
+the sites meeting through a torchft lighthouse on loopback, DiLoCo's sync across them through
+the Managers' gloo process group.
+
+Fast: the flags' checks, and the healing transfer's format (safetensors + JSON + SHA-256) refusing
+what it must. Slow: two sites of one rank each train what one torchrun job of two ranks trains
+(the same losses and bit-identical final weights); then a site killed with SIGKILL while the
+other trains on without a restart, started again, healed from the live one, both ending with
+equal replicas."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_harness import (
+    REPO,
+    final_weights,
+    folder_args,
+    free_port,
+    logged_losses,
+    subprocess_env,
+    torchrun_command,
+    worker_pids,
+)
+from test_elastic import _kill_tree, _listening, _wait_for
+
+from torchrun_ddp.checkpoint.heal import FORMAT, decode, encode
+from torchrun_ddp.config_io import parse_config
+from torchrun_ddp.distributed import DistEnv
+from torchrun_ddp.dry_run import dry_run
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.sites import data_place, site_settings
+from torchrun_ddp.sites.positions import pack, read_position, unpack, write_position
+
+LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
+"""Short windows: a sync every other step, so a kill lands near one."""
+
+
+def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
+    return [
+        "--fault-tolerance", "sites", "--sites", "2", "--site-id", str(site),
+        "--lighthouse", lighthouse, "--site-address", "127.0.0.1", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--site-id", "1"], "--site-id applies to --fault-tolerance sites only"),
+        (["--fault-tolerance", "sites", "--sites", "2", "--site-id", "2", *DILOCO], "--site-id"),
+        (["--fault-tolerance", "sites", "--sites", "2"], "does not exchange across sites yet"),
+        (["--fault-tolerance", "sites", "--sites", "2", *DILOCO], "needs the torchft lighthouse"),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--site-heartbeat-ms", "9000",
+             "--quorum-timeout-s", "10"],
+            "fewer than 2 heartbeats in the quorum timeout",
+        ),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--overlap-exchange"],
+            "without --overlap-exchange",
+        ),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--data-parallel", "hsdp"],
+            "runs --data-parallel ddp inside each site",
+        ),
+    ],
+)  # fmt: skip
+def test_sites_flags_are_checked_in_one_line(
+    flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    lighthouse = [] if "lighthouse" in message else ["--lighthouse", "127.0.0.1:1"]
+    flags = [*flags, *lighthouse] if "--fault-tolerance" in flags else flags
+    with pytest.raises(UserError, match=message) as error:
+        parse_config(flags)
+    assert "\n" not in str(error.value)
+
+
+def test_sites_split_the_document_order_and_derive_timeouts() -> None:
+    config = parse_config(
+        ["--fault-tolerance", "sites", "--sites", "3", "--site-id", "2", *DILOCO,
+         "--train-timeout-s", "40", "--lighthouse", "10.0.0.1:29510"]
+    )  # fmt: skip
+    assert data_place(config, 1, 4) == (9, 12)  # site 2's rank 1 of 4: global rank 9 of 12
+    settings = site_settings(config)
+    assert (settings.quorum_timeout_s, settings.timeout_s) == (40, 40)
+    assert settings.lighthouse == "http://10.0.0.1:29510"
+    assert settings.replica_id == "site2"
+    assert data_place(parse_config([]), 1, 4) == (1, 4)
+
+
+def test_the_healing_transfer_round_trips_and_refuses_a_changed_payload() -> None:
+    state = {"outer": {"synced": {"0": torch.arange(6.0).view(2, 3)}, "position": 0}, "step": 7}
+    header, payload = encode(state, 3)
+    parsed = json.loads(header)
+    assert parsed["format"] == FORMAT and parsed["bytes"] == len(payload)
+    back = decode(parsed, payload, 3)
+    assert isinstance(back, dict) and back["step"] == 7
+    assert torch.equal(back["outer"]["synced"]["0"], state["outer"]["synced"]["0"])
+    damaged = bytearray(payload)
+    damaged[-1] ^= 0xFF
+    with pytest.raises(ValueError, match="SHA-256"):
+        decode(parsed, bytes(damaged), 3)
+    with pytest.raises(ValueError, match="step 3, the quorum's is 4"):
+        decode(parsed, payload, 4)
+
+
+def test_a_data_position_round_trips_on_disk_and_between_sites(tmp_path: Path) -> None:
+    position = {"epoch": 1, "offsets": torch.tensor([3, 5]), "nested": {"tokens": [1, 2]}}
+    write_position(tmp_path, 1, 12, position)
+    step, back = read_position(tmp_path, 1) or (0, {})
+    assert step == 12 and back["epoch"] == 1 and back["nested"] == {"tokens": [1, 2]}
+    assert torch.equal(back["offsets"], position["offsets"])
+    assert read_position(tmp_path, 0) is None
+    site, step, shared = unpack(pack(3, 14, position))
+    assert (site, step) == (3, 14) and torch.equal(shared["offsets"], position["offsets"])
+    blob = pack(3, 14, position)
+    blob[-1] ^= 0xFF
+    with pytest.raises(ValueError, match="SHA-256"):
+        unpack(blob)
+
+
+# -- real processes --------------------------------------------------------------------------
+
+
+def _lighthouse(port: int, min_replicas: int, log: Path) -> subprocess.Popen[bytes]:
+    """A torchft lighthouse on loopback: a site is dead after 1 s without a heartbeat; a
+    quorum waits up to 30 s for a site that heartbeats but has not asked for it yet (one that
+    is starting)."""
+    command = [
+        str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
+        "--join_timeout_ms", "30000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50",
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _site(
+    base: Path, site: int, steps: int, lighthouse: str, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """Site ``site``: its own torchrun job of one rank (forked), own folders ``base/site-<n>``
+    and ``base/out-<n>``; ``env``: variables added to its environment."""
+    args = folder_args(
+        base, f"site-{site}", steps, *DILOCO, "--output-dir", str(base / f"out-{site}"),
+        *_sites_flags(site, lighthouse, "--train-timeout-s", "30"),
+    )  # fmt: skip
+    return subprocess.Popen(
+        torchrun_command(args, 1, forked=True), cwd=REPO, env={**subprocess_env(), **(env or {})},
+        stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def lighthouse(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A lighthouse (``min_replicas`` from the test's ``lighthouse_min`` marker, else 2)."""
+    marker = request.node.get_closest_marker("lighthouse_min")
+    port = free_port()
+    proc = _lighthouse(port, marker.args[0] if marker else 2, tmp_path / "lighthouse.log")
+    try:
+        _wait_for(lambda: _listening(port), "the lighthouse", timeout=30)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 400) -> None:
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
+
+
+@pytest.mark.slow
+def test_two_sites_train_what_one_job_of_their_ranks_trains(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    steps = 8
+    logs = [tmp_path / f"site-{site}.log" for site in range(2)]
+    procs = [_site(tmp_path, site, steps, lighthouse, logs[site]) for site in range(2)]
+    try:
+        _wait_all(procs, logs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    one_job = folder_args(
+        tmp_path, "one-job", steps, *DILOCO, "--output-dir", str(tmp_path / "one-job-out")
+    )
+    done = subprocess.run(
+        torchrun_command(one_job, 2, forked=True), cwd=REPO, env=subprocess_env(),
+        capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    expected = logged_losses(tmp_path / "one-job-out")
+    sites = [logged_losses(tmp_path / f"out-{site}") for site in range(2)]
+    assert sorted(expected) == list(range(1, steps + 1))
+    for step, loss in expected.items():  # each site logs its own rank's loss: their mean
+        assert (sites[0][step] + sites[1][step]) / 2 == pytest.approx(loss, rel=1e-6), step
+    want = final_weights(tmp_path / "one-job-out")
+    for site in range(2):
+        have = final_weights(tmp_path / f"out-{site}")
+        for name, tensor in want.items():
+            assert torch.equal(have[name], tensor), (site, name)
+
+
+def _both_trained(base: Path, step: int) -> bool:
+    """Whether both sites have logged ``step`` or a later one, and site 1 has committed a
+    sync with site 0 (its data position's record)."""
+    logged = all(max(logged_losses(base / f"out-{site}"), default=0) >= step for site in (0, 1))
+    return logged and read_position(base / "site-1", 0) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.lighthouse_min(1)
+def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Site 1 is SIGKILLed once it has logged step 6 and its disk wiped; site 0 trains on alone
+    and waits before step 20 (``hold``: only so that this short run is not over before site 1's
+    new process has imported torch) until site 1 runs again; site 1 starts from nothing, heals
+    in site 0's sync of step 20, takes its own data position at its last committed sync from
+    site 0's copy, and both train to step 24."""
+    steps, hold, started = 24, tmp_path / "hold", time.monotonic()
+    logs = [tmp_path / f"site-{site}.log" for site in range(2)]
+    paced = {"TORCHRUN_DDP_PERTURB": "hold:20", "TORCHRUN_DDP_HOLD_FILE": str(hold)}
+    procs = [_site(tmp_path, site, steps, lighthouse, logs[site], paced) for site in range(2)]
+    try:  # the site that starts first trains alone until the other joins and heals from it
+        _wait_for(lambda: _both_trained(tmp_path, 6), "both sites at step 6", 300)
+        workers = worker_pids(procs[0].pid)
+        _kill_tree(procs[1])
+        killed = len(logs[0].read_text()), max(logged_losses(tmp_path / "out-0"), default=0)
+        record = read_position(tmp_path / "site-1", 0)  # its last committed sync's
+        assert record is not None
+        for folder in ("site-1", "out-1"):  # its disk is gone: a new machine
+            shutil.rmtree(tmp_path / folder)
+        _wait_for(
+            lambda: max(logged_losses(tmp_path / "out-0"), default=0) >= 14, "site 0 alone", 120
+        )
+        before = len(logs[1].read_text())
+        procs[1] = _site(tmp_path, 1, steps, lighthouse, logs[1])
+        _wait_for(lambda: "ready to train" in logs[1].read_text()[before:], "site 1 again")
+        assert worker_pids(procs[0].pid) == workers  # the same processes trained on
+        hold.touch()
+        _wait_all(procs, logs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    print(f"kill and heal test: {time.monotonic() - started:.1f} s")  # pytest -s
+    site0, again = logs[0].read_text(), logs[1].read_text()[before:]
+    assert "sites: healed" not in site0[killed[0] :] and "attempt 2" not in site0, site0[-3000:]
+    healed = [line for line in again.splitlines() if "sites: healed from a live site" in line]
+    assert len(healed) == 1, again[-4000:]
+    print(healed[0])
+    taken = re.search(r"own data position of step (\d+) .*, from its copy on a live site", again)
+    assert taken is not None, again[-4000:]
+    assert int(taken.group(1)) in (record[0], record[0] + 2)  # a kill between commit and write
+    assert "sites: healed, training on from step 20" in again, again[-4000:]
+    trained = sorted(step for step in logged_losses(tmp_path / "out-0") if step >= killed[1])
+    assert trained == list(range(max(killed[1], 1), steps + 1))  # every step, none lost
+    want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
+    for name, tensor in want.items():
+        assert torch.equal(have[name], tensor), name
+
+
+def test_the_plan_shows_a_sites_healing_transfer() -> None:
+    config = parse_config(
+        ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--lighthouse", "h:1",
+         "--plan-world-size", "8", "--plan-gpus-per-node", "8", "--plan-inter-node-gbit", "10"]
+    )  # fmt: skip
+    text = dry_run(config, DistEnv())  # LLaMA-2-7B, the default --model
+    [row] = [line for line in text.splitlines() if "a site's healing from a live one" in line]
+    gib, seconds = (float(cell) for cell in row.strip(" |").split(" | ")[1:])
+    trained = 6_738_415_616  # LLaMA-2-7B: each rank gets the synced fp32 copy and momentum
+    assert gib == pytest.approx(8 * 8 * trained / 2**30, abs=0.01)
+    assert seconds == pytest.approx(8 * 8 * trained / (10e9 / 8), rel=1e-3)
+    assert "a site's healing" not in dry_run(parse_config(["--plan-world-size", "8"]), DistEnv())
