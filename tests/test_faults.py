@@ -37,6 +37,7 @@ from distributed_harness import (
     REPO,
     TIMEOUT_S,
     assert_same_run,
+    hook_env,
     logged_losses,
     reference_args,
     run_distributed,
@@ -61,7 +62,7 @@ FAULTS = [
 
 def _run(args: list[str], faults: str = "", restarts: int = 0) -> subprocess.CompletedProcess:
     """torchrun with the fault list in the environment; each attempt may take TIMEOUT_S / 4."""
-    env = {**subprocess_env(), "TORCHRUN_DDP_FAULT": faults} if faults else subprocess_env()
+    env = hook_env(faults=faults) if faults else subprocess_env()
     command = torchrun_command(args, extra=(f"--max-restarts={restarts}",), forked=True)
     timeout = TIMEOUT_S * (1 + restarts) / 4
     return subprocess.run(

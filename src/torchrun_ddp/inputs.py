@@ -28,6 +28,7 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import check_fits, run_device_type
 from torchrun_ddp.errors import DataError, UserError
+from torchrun_ddp.faults import check_hooks
 from torchrun_ddp.methods import Method, method_for
 from torchrun_ddp.metrics import (
     check_wandb_installed,
@@ -77,11 +78,15 @@ class Inputs:
     """The run's training method, built and checked once (``check_settings``)."""
     mode: DataParallel | None = None
     """The run's data-parallel mode on its ranks, built once (``check_settings``)."""
+    test_hooks: str = ""
+    """The test hooks the harness armed (``faults.check_hooks``), "" in every real run."""
 
 
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
-    """Check the model, memory plan, tokenizer, data paths and the method's settings; raises
-    UserError on the first problem."""
+    """Check the test hooks (a hook variable set but not armed by the test harness is refused:
+    ``faults.check_hooks``), the model, memory plan, tokenizer, data paths and the method's
+    settings; raises UserError on the first problem."""
+    test_hooks = check_hooks()
     model_config = load_model_config(config.model)
     method, mode = check_settings(config, env, model_config)
     if config.fused_loss == "liger":
@@ -106,6 +111,7 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         questions=multiple_choice_questions(config, tokenizer),
         method=method,
         mode=mode,
+        test_hooks=test_hooks,
     )
 
 
