@@ -54,7 +54,7 @@ from torchrun_ddp.inputs import (
 )
 from torchrun_ddp.methods import method_for
 from torchrun_ddp.metrics import any_rank, check_loss, check_records, progress_bar, restart_records
-from torchrun_ddp.model import autocast_context, causal_lm_inputs
+from torchrun_ddp.model import autocast_context, causal_lm_inputs, compile_failure
 from torchrun_ddp.parallel.modes import gradient_sync_off, mode_for
 from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
 from torchrun_ddp.training_data import bad_record_count
@@ -91,6 +91,8 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
         if env.is_main:
             record_data_error(config, exc)
         raise
+    except torch._dynamo.exc.TorchDynamoException as exc:  # --compile: no silent eager fallback
+        raise compile_failure(exc) from exc
     finally:
         shutdown_distributed()
 
