@@ -217,9 +217,21 @@ def metrics_records(output_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def logged_steps(output_dir: Path) -> list[int]:
+    """The step of every training record of a run's metrics.jsonl, in the file's order, as
+    written: a step logged twice (a restart that did not trim the records) appears twice."""
+    return [r["step"] for r in metrics_records(output_dir) if "loss" in r]
+
+
 def logged_losses(output_dir: Path) -> dict[int, float]:
-    """Step -> logged training loss of a run's metrics.jsonl ({} while it does not exist)."""
+    """Step -> logged training loss of a run's metrics.jsonl ({} while it does not exist); a
+    step logged twice keeps its last record (``logged_steps`` sees both)."""
     return {r["step"]: r["loss"] for r in metrics_records(output_dir) if "loss" in r}
+
+
+def assert_logged_once(output_dir: Path, steps: int) -> None:
+    """Steps 1 to ``steps`` each have exactly one training record, in order."""
+    assert logged_steps(output_dir) == list(range(1, steps + 1)), logged_steps(output_dir)
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -228,11 +240,11 @@ def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_run(got: Path, expected: Path, steps: int | None = None) -> None:
-    """The same loss at every step (steps 1 to ``steps`` each logged, where given) and
-    bit-identical final weights."""
+    """The same loss at every step (steps 1 to ``steps`` each logged exactly once, in order,
+    where given) and bit-identical final weights."""
     assert logged_losses(got) == logged_losses(expected)
     if steps is not None:
-        assert sorted(logged_losses(got)) == list(range(1, steps + 1))
+        assert_logged_once(got, steps)
     want, have = final_weights(expected), final_weights(got)
     assert have.keys() == want.keys()
     for name, tensor in want.items():
