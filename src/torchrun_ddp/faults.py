@@ -61,7 +61,7 @@ def check_hooks() -> str:
             f"{named} is set in the environment but test hooks are not armed (only the test "
             f"harness arms them with {ARM_ENV}): unset {named} before training"
         )
-    for name, value in []:
+    for name, value in hooks.items():
         if problem := (_fault_problem(value) if name == ENV else _perturb_problem(value)):
             raise UserError(f"{name}={value} is malformed: {problem}")
     return "; ".join(f"{name}={value}" for name, value in hooks.items())
