@@ -199,9 +199,9 @@ def test_merged_export_loads_generates_and_equals_base_plus_adapter(
         have = merged(input_ids=prompt["input_ids"]).logits.float()
         with adapted.disable_adapter():
             plain = adapted(input_ids=prompt["input_ids"]).logits.float()
-    # The tolerance is a quarter of what the adapters change: a merge that scaled (alpha / r)
-    # B A by 2 (or by 0) would be off by about all of it. Merging rounds W + (alpha / r) B A to
-    # bf16 where the adapter path adds it in fp32: that rounding stays far below it.
+    # The tolerance is a quarter of what the adapters change, beside the absolute 0.1. Merging
+    # rounds W + (alpha / r) B A to bf16 where the adapter path adds it in fp32. Open (issue
+    # 62): lora_B doubled before merge_and_unload did not turn this test red on 2026-11-28.
     effect = (want - plain).abs().mean()
     assert effect > 0.01, float(effect)
     assert (have - want).abs().mean() < effect / 4, (float((have - want).abs().mean()), effect)
