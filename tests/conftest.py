@@ -77,3 +77,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         name = item.module.__name__ if item.module else ""
         group = "reference_run" if name in SHARED_REFERENCE else name
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """At the end of every run, each skipped test on a line of its own with its reason (pytest's
+    ``-ra`` folds equal reasons into one line with a count): a check that did not run here, a
+    GPU test without CUDA, the tmpfs variant of the full-disk test without root, the ``clone``
+    tests outside a git checkout, is named, not silent."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    terminalreporter.section(f"{len(skipped)} tests not run here, each with its reason")
+    for report in skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        terminalreporter.line(f"{report.nodeid}: {reason.removeprefix('Skipped: ')}")

@@ -27,7 +27,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+
+from torchrun_ddp import faults as faults_module
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -71,6 +74,36 @@ def subprocess_env(shared_store: bool = True) -> dict[str, str]:
     is False, which gives a store per rendezvous round as run.sh does for elastic jobs."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return env if shared_store else {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def hook_env(faults: str = "", perturb: str = "") -> dict[str, str]:
+    """``subprocess_env`` with the test hooks of faults.py set (``TORCHRUN_DDP_FAULT`` to
+    ``faults``, ``TORCHRUN_DDP_PERTURB`` to ``perturb``, where given) and armed: only the
+    harness arms them, a production run refuses a hook variable set without it."""
+    hooks = {faults_module.ENV: faults, faults_module.PERTURB_ENV: perturb}
+    return {
+        **subprocess_env(),
+        **{name: value for name, value in hooks.items() if value},
+        faults_module.ARM_ENV: faults_module.ARMED,
+    }
+
+
+@contextmanager
+def armed_hooks(faults: str = "", perturb: str = "") -> Iterator[None]:
+    """In this process (a spawned rank): the test hooks of faults.py set and armed, as
+    ``hook_env``, while the block runs; the variables as they were afterwards."""
+    hooks = {faults_module.ENV: faults, faults_module.PERTURB_ENV: perturb}
+    before = {name: os.environ.get(name) for name in (*hooks, faults_module.ARM_ENV)}
+    os.environ.update({name: value for name, value in hooks.items() if value})
+    os.environ[faults_module.ARM_ENV] = faults_module.ARMED
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def clone_env(clone: Path) -> dict[str, str]:
@@ -184,9 +217,21 @@ def metrics_records(output_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def logged_steps(output_dir: Path) -> list[int]:
+    """The step of every training record of a run's metrics.jsonl, in the file's order, as
+    written: a step logged twice (a restart that did not trim the records) appears twice."""
+    return [r["step"] for r in metrics_records(output_dir) if "loss" in r]
+
+
 def logged_losses(output_dir: Path) -> dict[int, float]:
-    """Step -> logged training loss of a run's metrics.jsonl ({} while it does not exist)."""
+    """Step -> logged training loss of a run's metrics.jsonl ({} while it does not exist); a
+    step logged twice keeps its last record (``logged_steps`` sees both)."""
     return {r["step"]: r["loss"] for r in metrics_records(output_dir) if "loss" in r}
+
+
+def assert_logged_once(output_dir: Path, steps: int) -> None:
+    """Steps 1 to ``steps`` each have exactly one training record, in order."""
+    assert logged_steps(output_dir) == list(range(1, steps + 1)), logged_steps(output_dir)
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -195,11 +240,11 @@ def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_run(got: Path, expected: Path, steps: int | None = None) -> None:
-    """The same loss at every step (steps 1 to ``steps`` each logged, where given) and
-    bit-identical final weights."""
+    """The same loss at every step (steps 1 to ``steps`` each logged exactly once, in order,
+    where given) and bit-identical final weights."""
     assert logged_losses(got) == logged_losses(expected)
     if steps is not None:
-        assert sorted(logged_losses(got)) == list(range(1, steps + 1))
+        assert_logged_once(got, steps)
     want, have = final_weights(expected), final_weights(got)
     assert have.keys() == want.keys()
     for name, tensor in want.items():

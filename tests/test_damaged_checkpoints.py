@@ -5,17 +5,24 @@ previous one, or a peer's intact copy, and end bit-identical to an uninterrupted
 intact step every rank stops with one line naming the file. Flipped bytes, a truncated file, an
 empty file, a damaged per-rank file and a damaged buddy copy are found by ``verify_step`` on real
 checkpoint folders. Replicas that differ after a resume stop every rank; a NaN loss stops the run
-without a checkpoint or final_model."""
+without a checkpoint or final_model, as do an
+infinite loss, one above --max-loss, and a NaN gradient or weight, each at a checkpoint step."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
-from distributed_harness import folder_args, logged_losses, run_distributed
+from distributed_harness import (
+    armed_hooks,
+    assert_logged_once,
+    folder_args,
+    logged_losses,
+    run_distributed,
+)
 from tiny_models import LogLines, digest, train_in_group
 
 from torchrun_ddp.checkpoint import MANIFEST, inventory, verify_step
@@ -31,19 +38,14 @@ def _train(
 ) -> dict[str, object]:
     """One run on this rank (folder ``ckpt``, or ``node-<n>`` with 2 nodes): the final
     parameters' digest, the step reached and the log lines, or the one-line refusal."""
-    if perturb:
-        os.environ[PERTURB_ENV] = perturb
     folder = "ckpt" if per_node == world else f"node-{rank // per_node}"
-    try:
-        with LogLines() as log:
-            try:
-                trainer = train_in_group(
-                    rank, world, folder_args(Path(base), folder, steps), False, per_node
-                )
-            except UserError as exc:
-                return {"error": str(exc), "lines": log.lines}
-    finally:
-        os.environ.pop(PERTURB_ENV, None)
+    with armed_hooks(perturb=perturb) if perturb else nullcontext(), LogLines() as log:
+        try:
+            trainer = train_in_group(
+                rank, world, folder_args(Path(base), folder, steps), False, per_node
+            )
+        except UserError as exc:
+            return {"error": str(exc), "lines": log.lines}
     params = dict(trainer.model.module.named_parameters())
     return {"digest": digest(params), "step": trainer.step, "lines": log.lines}
 
@@ -135,10 +137,8 @@ def test_a_damaged_newest_step_resumes_the_previous_one_and_ends_bit_identical(
     aside = tmp_path / "ckpt" / "step-4.damaged"
     assert (aside / "dcp" / shard.name).is_file()  # set aside, never deleted
     assert verify_step(tmp_path / "ckpt" / "step-4") == ""  # saved again, intact
-    losses = logged_losses(tmp_path / "out")
-    assert [losses[s] for s in (3, 4, 5, 6)] == [
-        logged_losses(reference / "out")[s] for s in (3, 4, 5, 6)
-    ]
+    assert logged_losses(tmp_path / "out") == logged_losses(reference / "out")
+    assert_logged_once(tmp_path / "out", 6)
 
 
 def test_with_only_a_damaged_step_every_rank_stops_with_one_line_naming_the_file(
@@ -256,29 +256,53 @@ def test_a_damaged_file_in_one_node_folder_is_replaced_from_the_peer_and_ends_bi
     assert any(shard.name in line and "is damaged" in line for line in resumed[2]["lines"])
     assert (tmp_path / "node-1" / "step-4.damaged" / "dcp" / shard.name).is_file()
     assert verify_step(tmp_path / "node-1" / "step-4") == ""  # node 0's copy, checked
-    assert logged_losses(tmp_path / "out")[5] == logged_losses(reference / "out")[5]
+    assert logged_losses(tmp_path / "out") == logged_losses(reference / "out")
+    assert_logged_once(tmp_path / "out", 6)
 
 
-def _nan_worker(rank: int, world_size: int, base: str) -> str:
-    """6 steps with the loss made NaN at step 3 (test hook), final model exported if it gets
-    there: the rank's one-line stop, or "" if none."""
-    os.environ[PERTURB_ENV] = "nan-loss:3"
-    try:
-        train_in_group(rank, world_size, folder_args(Path(base), "ckpt", 6))
-    except UserError as exc:
-        return str(exc)
-    finally:
-        os.environ.pop(PERTURB_ENV, None)
-    return ""
+DIVERGENCES = {
+    "nan-loss": ("nan-loss:2", (), "the training loss is nan at step 2 (not finite)"),
+    "inf-loss": ("inf-loss:2", (), "the training loss is inf at step 2 (not finite)"),
+    "max-loss": ("big-loss:2", ("--max-loss", "100"), "at step 2 (above --max-loss 100)"),
+    "nan-grad": ("nan-grad:2", (), "the weights are not finite (NaN or infinite) after step 2"),
+    "nan-weight": ("nan-weight:2", (), "the weights are not finite (NaN or infinite) after step 2"),
+}
+"""Case -> (TORCHRUN_DDP_PERTURB at step 2, a checkpoint step; extra flags; the stop's words)."""
 
 
-def test_a_nan_loss_stops_the_run_without_checkpoint_or_final_model(tmp_path: Path) -> None:
-    """2 spawned ranks: the log step of step 3 stops every rank with the same one-line error
-    (train.py: status 2, tests/test_cli.py); step 2's checkpoint is the last one, no
-    final_model."""
-    errors = run_distributed(_nan_worker, 2, str(tmp_path))
-    assert all(e.startswith("the training loss is nan at step 3") for e in errors), errors
-    checkpoints = sorted(p.name for p in (tmp_path / "ckpt").glob("step-*"))
-    assert checkpoints == ["step-2"]
-    assert sorted(logged_losses(tmp_path / "out")) == [1, 2]
-    assert not (tmp_path / "out" / "final_model").exists()
+def _divergence_worker(rank: int, world_size: int, base: str) -> dict[str, str]:
+    """Each case of DIVERGENCES, 3 steps with a checkpoint every 2 and the final model exported
+    if it gets there: case -> the rank's one-line stop, or "" if none."""
+    errors = {}
+    for name, (perturb, extra, _) in DIVERGENCES.items():
+        args = folder_args(Path(base) / name, "ckpt", 3, *extra)
+        errors[name] = ""
+        with armed_hooks(perturb=perturb):
+            try:
+                train_in_group(rank, world_size, args)
+            except UserError as exc:
+                errors[name] = str(exc)
+    return errors
+
+
+def test_a_diverged_step_stops_the_run_without_its_checkpoint_or_final_model(
+    tmp_path: Path,
+) -> None:
+    """2 spawned ranks, one run per case of DIVERGENCES: a NaN, an infinite or a too large
+    (--max-loss) loss stops every rank at the log step of step 2 before its record and its
+    checkpoint; a NaN gradient or weight, whose step's loss is still finite, stops every rank at
+    step 2's checkpoint before it is written. Each stop is one line that names the test hook;
+    no checkpoint, no final_model. The armed hook is in config.toml. (Step 2 is the first
+    checkpoint step: each case is one start, and starts are what this test costs.)"""
+    results = run_distributed(_divergence_worker, 2, str(tmp_path))
+    for name, (perturb, _, words) in DIVERGENCES.items():
+        errors = [rank[name] for rank in results]
+        assert len(set(errors)) == 1 and words in errors[0], (name, errors)
+        assert "\n" not in errors[0] and "stopped without a checkpoint or final_model" in errors[0]
+        assert errors[0].endswith(f"(the test hook {PERTURB_ENV}={perturb} perturbed this run)")
+        run = tmp_path / name
+        assert not list((run / "ckpt").glob("step-*")), name
+        assert not (run / "out" / "final_model").exists(), name
+        assert_logged_once(run / "out", 1 if "loss" in name else 2)
+        config = (run / "out" / "config.toml").read_text()
+        assert config.startswith(f"# test hooks armed: {PERTURB_ENV}={perturb}\n"), name

@@ -36,8 +36,11 @@ from distributed_harness import (
     REFERENCE_STEPS,
     REPO,
     TIMEOUT_S,
+    assert_logged_once,
     assert_same_run,
+    hook_env,
     logged_losses,
+    logged_steps,
     reference_args,
     run_distributed,
     subprocess_env,
@@ -46,6 +49,8 @@ from distributed_harness import (
 )
 from tiny_models import LogLines, train_in_group
 
+from torchrun_ddp.checkpoint import save_load
+from torchrun_ddp.checkpoint.manifest import Entry
 from torchrun_ddp.errors import UserError
 
 pytestmark = pytest.mark.slow  # SIGKILL and SIGTERM of torchrun workers, with restarts
@@ -61,7 +66,7 @@ FAULTS = [
 
 def _run(args: list[str], faults: str = "", restarts: int = 0) -> subprocess.CompletedProcess:
     """torchrun with the fault list in the environment; each attempt may take TIMEOUT_S / 4."""
-    env = {**subprocess_env(), "TORCHRUN_DDP_FAULT": faults} if faults else subprocess_env()
+    env = hook_env(faults=faults) if faults else subprocess_env()
     command = torchrun_command(args, extra=(f"--max-restarts={restarts}",), forked=True)
     timeout = TIMEOUT_S * (1 + restarts) / 4
     return subprocess.run(
@@ -104,24 +109,24 @@ def _complete(root: Path) -> list[str]:
     return sorted(p.parent.name for p in root.glob("step-*/COMPLETE"))
 
 
-def _sigterm_alone(sample_data: Path, output_dir: Path) -> None:
-    """train.py alone (no torchrun) trains as one process (world_size 1); SIGTERM after its
-    first step: status 143, a checkpoint, every step until then logged once."""
+def _sigint_alone(sample_data: Path, output_dir: Path) -> None:
+    """train.py alone (no torchrun) trains as one process (world_size 1); SIGINT (Ctrl-C)
+    after its first step stops it as SIGTERM does: status 143, a checkpoint, every step until
+    then logged once. (SIGTERM is sent to a worker and to the agent below.)"""
     command = [sys.executable, str(REPO / "train.py"), *reference_args(sample_data, output_dir)]
     proc = subprocess.Popen(
         command, cwd=REPO, env=subprocess_env(), stderr=subprocess.PIPE, text=True
     )
     try:
         _wait_for(lambda: len(logged_losses(output_dir)) >= 1, proc)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 143, stderr[-3000:]
     assert "world_size 1" in stderr, stderr[-3000:]
     assert list((output_dir / "checkpoints").glob("step-*/COMPLETE"))
-    steps = sorted(logged_losses(output_dir))
-    assert steps == list(range(1, len(steps) + 1)), steps
+    assert_logged_once(output_dir, len(logged_steps(output_dir)))
 
 
 def _popen(args: list[str], log: Path, restarts: int = 0) -> subprocess.Popen:
@@ -132,16 +137,17 @@ def _popen(args: list[str], log: Path, restarts: int = 0) -> subprocess.Popen:
         )
 
 
-def test_sigterm_saves_a_checkpoint_and_the_run_resumes_bit_identical(
+def test_sigterm_or_sigint_saves_a_checkpoint_and_the_run_resumes_bit_identical(
     sample_data: Path, tmp_path: Path, reference_run: Path
 ) -> None:
     """A worker stopped by SIGTERM saves a checkpoint and exits 143 (128 + SIGTERM), not 0.
-    Alone (no torchrun) that is the process's status. The torchrun agent's SIGTERM (a scheduler's
-    preemption) reaches the workers: with --checkpoint-every 0 they save exactly one checkpoint,
-    at the step they stopped, and the next run resumes from it. Under torchrun --max-restarts=1
+    Alone (no torchrun) that is the process's status, for SIGINT (Ctrl-C) too. The torchrun
+    agent's SIGTERM (a scheduler's preemption) reaches the workers: with --checkpoint-every 0
+    they save exactly one checkpoint, at the step they stopped, and the next run resumes from
+    it. Under torchrun --max-restarts=1
     a worker's 143 is a failed worker: torchrun restarts the whole group, which resumes and
     finishes (status 0) with the reference run's losses and weights, bit for bit."""
-    _sigterm_alone(sample_data, tmp_path / "alone")
+    _sigint_alone(sample_data, tmp_path / "alone")
     out, log = tmp_path / "grouped", tmp_path / "grouped.log"
     args = reference_args(sample_data, out, "--checkpoint-every", "0")
     proc = _popen(args, log)
@@ -199,7 +205,8 @@ def _resume_worker(rank: int, world_size: int, args: list[str]) -> list[str]:
 def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint(
     sample_data: Path, tmp_path: Path, reference_run: Path
 ) -> None:
-    """--checkpoint-dir on a tmpfs of 1.5 checkpoints (the reference run's, about 48 MiB):
+    """(Needs root to mount a tmpfs: skipped elsewhere; the unprivileged variant is below.)
+    --checkpoint-dir on a tmpfs of 1.5 checkpoints (the reference run's, about 48 MiB):
     step-2 fits, step-4 does not. Every rank stops with the same one-line error (train.py
     prints a UserError as one ``error:`` line with status 2: tests/test_cli.py); step-2 stays
     complete; with room again, the next run resumes from it and logs the reference run's
@@ -223,8 +230,52 @@ def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint(
         assert f"resumed from {small / 'step-2'} at step 2" in lines, lines
         want = {step: loss for step, loss in logged_losses(reference_run).items() if step <= 4}
         assert logged_losses(tmp_path / "out") == want
+        assert_logged_once(tmp_path / "out", 4)
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def _full_rank_file(rank: int, world_size: int, args: list[str]) -> dict[str, object]:
+    """Unprivileged full disk: rank 1's own file of step 4 is written to /dev/full, whose writes
+    fail with the kernel's ENOSPC (the path to write is redirected in this rank, the write and
+    its error are real); the other ranks write theirs. Then, with the device back, the same
+    args resume. The one-line refusal and the resumed run's log lines."""
+    write = save_load._write
+
+    def full_at_step_4(folder: Path, name: str, data: bytes, entries: dict[str, Entry]) -> None:
+        if folder.name != "step-4.tmp" or rank != 1:
+            return write(folder, name, data, entries)
+        with open("/dev/full", "wb") as device:
+            device.write(data)
+            device.flush()
+        return None
+
+    save_load._write = full_at_step_4
+    try:
+        error = _refusal(rank, world_size, args)
+    finally:
+        save_load._write = write
+    return {"error": error, "lines": _resume_worker(rank, world_size, args)}
+
+
+def test_a_write_that_fails_with_enospc_keeps_the_previous_checkpoint(
+    sample_data: Path, tmp_path: Path, reference_run: Path
+) -> None:
+    """The full-disk test without root or a tmpfs (it runs in CI): one rank's checkpoint file
+    of step 4 hits ENOSPC (/dev/full). Every rank stops with the same one-line error, step-2
+    stays the newest complete step, and the next start resumes it and logs the reference run's
+    losses, each step once."""
+    out, folder = tmp_path / "out", tmp_path / "ckpt"
+    args = reference_args(sample_data, out, "--checkpoint-dir", str(folder), "--max-steps", "4")
+    results = run_distributed(_full_rank_file, 2, args)
+    errors = [str(r["error"]) for r in results]
+    assert len(set(errors)) == 1 and "\n" not in errors[0], errors
+    assert errors[0].startswith(f"no space left on the device of --checkpoint-dir {folder}")
+    assert f"resumed from {folder / 'step-2'} at step 2" in results[0]["lines"]
+    want = {step: loss for step, loss in logged_losses(reference_run).items() if step <= 4}
+    assert logged_losses(out) == want
+    assert_logged_once(out, 4)
+    assert _complete(folder) == ["step-2", "step-4"]
 
 
 SOAK_KILLS = 3
@@ -321,4 +372,5 @@ def test_a_silent_rank_stops_the_others_after_the_training_timeout(
         run_distributed(_silent_rank_worker, 2, args, str(out), timeout=120)
     assert "Timed out waiting 5000ms" in str(caught.value), str(caught.value)[-3000:]
     assert 3 <= max(logged_losses(out)) < 1000
+    assert_logged_once(out, max(logged_losses(out)))
     assert time.monotonic() - started < 110

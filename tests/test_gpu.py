@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import REPO, subprocess_env, torchrun, torchrun_command
+from distributed_harness import REPO, hook_env, subprocess_env, torchrun, torchrun_command
 from test_end_to_end import e2e_args
 
 from torchrun_ddp.model import (
@@ -114,7 +114,7 @@ def test_nccl_restarts_reconnect_once_per_fault(sample_data: Path, tmp_path: Pat
     extra = ("--device", "cuda", "--backend", "nccl", "--max-steps", "8", "--checkpoint-every", "2")
     args = e2e_args(sample_data, tmp_path, *extra)
     command = torchrun_command(args, nproc=2, extra=("--max-restarts=2",))
-    env = {**subprocess_env(), "TORCHRUN_DDP_FAULT": faults}
+    env = hook_env(faults=faults)
     result = subprocess.run(
         command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import REPO, logged_losses, run_distributed, tiny_args
+from distributed_harness import REPO, assert_logged_once, logged_losses, run_distributed, tiny_args
 from peft import PeftModel
 from safetensors import safe_open
 from tiny_models import comm_bytes, digest, evaluations, train_in_group
@@ -163,7 +163,7 @@ def test_stop_and_resume_is_exact_with_zero1_dct_and_checkpointing(
 ) -> None:
     ranks, root = runs
     assert logged_losses(root / "split") == logged_losses(root / "straight")
-    assert sorted(logged_losses(root / "split")) == list(range(1, RESUME_STEPS + 1))
+    assert_logged_once(root / "split", RESUME_STEPS)
     for rank in ranks:
         assert rank["resume"]["trained_tensors"] == ranks[0]["plain"]["trained_tensors"]
         assert rank["resume"]["resumed"] == rank["resume"]["straight"]
@@ -197,5 +197,12 @@ def test_merged_export_loads_generates_and_equals_base_plus_adapter(
     with torch.no_grad():
         want = adapted(input_ids=prompt["input_ids"]).logits.float()
         have = merged(input_ids=prompt["input_ids"]).logits.float()
-    # merging rounds W + (alpha / r) B A to bf16, the adapter path adds it in fp32
+        with adapted.disable_adapter():
+            plain = adapted(input_ids=prompt["input_ids"]).logits.float()
+    # The tolerance is a quarter of what the adapters change, beside the absolute 0.1. Merging
+    # rounds W + (alpha / r) B A to bf16 where the adapter path adds it in fp32. Open (issue
+    # 62): lora_B doubled before merge_and_unload did not turn this test red on 2026-11-28.
+    effect = (want - plain).abs().mean()
+    assert effect > 0.01, float(effect)
+    assert (have - want).abs().mean() < effect / 4, (float((have - want).abs().mean()), effect)
     torch.testing.assert_close(have, want, atol=0.1, rtol=0.0)

@@ -77,15 +77,39 @@ def test_no_resume_in_another_runs_folder_is_refused_and_deletes_nothing(
         (("--shuffle-buffer", "3"), "shuffle_buffer"),
         (("--epochs", "2"), "epochs"),
         (("--data-files", "data/c4/*validation*.json.gz"), "data_files"),
+        (("--seq-length", "16"), "seq_length"),
+        (("--optimizer", "demo"), "optimizer"),
+        (("--lr-scheduler", "cosine"), "lr_scheduler"),
+        (("--compression", "fp16"), "compression"),
+        (("--zero1",), "zero1"),
+        (("--data-parallel", "fsdp"), "data_parallel"),
+        (
+            ("--model", "{vocab}"),
+            "model differs at 'lm_head.weight': \"float32[32000, 256]\" in the checkpoint, "
+            '"float32[32768, 256]" here',
+        ),
+        (("--model", str(REPO / "configs" / "tiny-models" / "llama" / "config.json")), "model"),
+        (("--peft", "lora"), "model"),
     ],
 )
-def test_a_different_data_stream_is_not_resumed(
+def test_a_different_run_is_not_resumed(
     capsys: pytest.CaptureFixture[str],
     sample_data: Path,
     first_run: Path,
-    flags: tuple[str, str],
+    tmp_path: Path,
+    flags: tuple[str, ...],
     key: str,
 ) -> None:
+    """Every key a resume compares (``training_state.run_identity``, checked by
+    ``check_compatible``), through the trainer: the data stream, the shape (the sequence
+    length, the model: a vocabulary of another size changes the embedding's shape, LoRA adds
+    adapters), the method, schedule, comm hook, ZeRO-1 and the data-parallel mode. Each is a
+    start that stops at the check, one line, nothing written."""
+    vocab = tmp_path / "vocab" / "config.json"  # llama-tiny with 32,768 tokens, not 32,000
+    vocab.parent.mkdir()
+    config = json.loads((REPO / "configs" / "llama-tiny" / "config.json").read_text())
+    vocab.write_text(json.dumps({**config, "vocab_size": 32768}))
+    flags = tuple(flag.replace("{vocab}", str(vocab)) for flag in flags)
     before = _snapshot(first_run)
     assert train.main([*_args(sample_data, first_run), "--max-steps", "4", *flags]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import (
+    assert_logged_once,
     assert_same_run,
     logged_losses,
     metrics_records,
@@ -120,10 +121,15 @@ def test_an_sft_run_resumed_at_world_size_one_trains_on(runs: tuple[dict, dict, 
     assert alone["step"] == STEPS
     assert alone["tokens_seen"] == STEPS * 2 * 2 * 128  # the global batch kept: 2 x 2 windows
     losses = logged_losses(root / "elastic")
-    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert_logged_once(root / "elastic", STEPS)
     straight = logged_losses(root / "straight")
     assert all(losses[step] == straight[step] for step in range(1, HALF + 1))
-    assert all(0 < losses[step] < 20 for step in range(HALF + 1, STEPS + 1)), losses
+    # after the resume, the 2-rank run's loss at each step: the same global batch (the data
+    # re-split keeps the global order; --keep-global-batch: 2 micro-batches on 1 rank), summed
+    # in another order: 1e-4 (1e-6 apart here on 2026-11-28; a restart from scratch logs step
+    # 1's loss, 0.17 above step 3's)
+    for step in range(HALF + 1, STEPS + 1):
+        assert losses[step] == pytest.approx(straight[step], abs=1e-4), (step, losses, straight)
     assert (root / "elastic" / "final_model" / "model.safetensors").is_file()
 
 

@@ -26,6 +26,7 @@ from distributed_harness import (
     final_weights,
     folder_args,
     free_port,
+    hook_env,
     logged_losses,
     subprocess_env,
     torchrun_command,
@@ -230,7 +231,7 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     site 0's copy, and both train to step 24."""
     steps, hold, started = 24, tmp_path / "hold", time.monotonic()
     logs = [tmp_path / f"site-{site}.log" for site in range(2)]
-    paced = {"TORCHRUN_DDP_PERTURB": "hold:20", "TORCHRUN_DDP_HOLD_FILE": str(hold)}
+    paced = {**hook_env(perturb="hold:20"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
     procs = [_site(tmp_path, site, steps, lighthouse, logs[site], paced) for site in range(2)]
     try:  # the site that starts first trains alone until the other joins and heals from it
         _wait_for(lambda: _both_trained(tmp_path, 6), "both sites at step 6", 300)

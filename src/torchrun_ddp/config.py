@@ -50,7 +50,8 @@ class TrainConfig:
     compile: bool = opt(
         False,
         "torch.compile the model (inductor): under ddp the DDP module, under fsdp/hsdp each "
-        "decoder layer; falls back to eager with a warning where compilation fails. "
+        "decoder layer; a graph that fails to compile stops the run with a one-line error (no "
+        "silent eager fallback). "
         "Checkpoints stay loadable without compile.",
     )
     fused_loss: str = opt(

@@ -1,4 +1,12 @@
-"""Fault injection for the fault tests: off unless ``TORCHRUN_DDP_FAULT`` is set.
+"""Test hooks: fault injection and perturbations for the fault tests, off unless the test
+harness arms them.
+
+A hook fires only while ``TORCHRUN_DDP_TEST_HOOKS`` (``ARM_ENV``) holds ``ARMED``, which only
+tests/distributed_harness.py sets (``hook_env``, ``test_hooks``): a stale export of a hook's
+variable in a production job (sbatch passes the caller's environment) is refused at start in
+one line (``check_hooks``, called by ``inputs.prepare_inputs``) instead of killing or damaging
+the run. An armed hook is validated at start (a malformed value: one line, status 2), logged
+and written into the run's config.toml as a comment.
 
 ``TORCHRUN_DDP_FAULT=POINT:RANK:STEP[,POINT:RANK:STEP...]``: the ``i``-th entry makes global
 rank ``RANK`` SIGKILL itself when it reaches ``POINT`` for optimizer step ``STEP`` in torchrun
@@ -10,12 +18,14 @@ ranks: waiting meanwhile), ``metrics`` (rank 0: half of a metrics.jsonl line wri
 ranks: at the same record).
 
 ``TORCHRUN_DDP_PERTURB=KIND:N[,KIND:N...]`` (``perturbation``) changes the run instead of
-killing it, for tests/test_damaged_checkpoints.py only: ``nan-loss:STEP`` makes every rank's
-loss NaN at optimizer step ``STEP``; ``replica:RANK`` changes rank ``RANK``'s replicated state
-after a resume has loaded it (before the ranks compare it). For tests/test_sites.py:
-``hold:STEP`` makes every rank wait before optimizer step ``STEP`` until the file
-``TORCHRUN_DDP_HOLD_FILE`` names exists (``hold_point``: a test paces a live site so that a
-restarted one is back before the run ends).
+killing it: ``nan-loss:STEP``, ``inf-loss:STEP`` and ``big-loss:STEP`` make every rank's loss
+NaN, infinite or 1000 times larger at optimizer step ``STEP``; ``nan-grad:STEP`` makes a
+gradient NaN before that step's optimizer step, ``nan-weight:STEP`` a weight NaN after it;
+``replica:RANK`` changes rank ``RANK``'s replicated state after a resume has loaded it (before
+the ranks compare it). A stop that a perturbation caused says so (``perturbed_note``).
+For tests/test_sites.py: ``hold:STEP`` makes every rank wait before optimizer step ``STEP``
+until the file ``TORCHRUN_DDP_HOLD_FILE`` names exists (``hold_point``: a test paces a live
+site so that a restarted one is back before the run ends).
 """
 
 from __future__ import annotations
@@ -25,26 +35,72 @@ import signal
 import sys
 import time
 
+from torchrun_ddp.errors import UserError
+
 ENV = "TORCHRUN_DDP_FAULT"
 PERTURB_ENV = "TORCHRUN_DDP_PERTURB"
-PERTURBATIONS = ("nan-loss", "replica", "hold")
+ARM_ENV = "TORCHRUN_DDP_TEST_HOOKS"
+ARMED = "armed-by-the-test-harness"
+"""The value of ``ARM_ENV`` that arms the hooks (tests/distributed_harness.py sets it)."""
+PERTURBATIONS = ("nan-loss", "inf-loss", "big-loss", "nan-grad", "nan-weight", "replica", "hold")
 HOLD_ENV = "TORCHRUN_DDP_HOLD_FILE"
 POINTS = ("step", "checkpoint-write", "publish", "metrics")
 
 
+def _armed() -> bool:
+    return os.environ.get(ARM_ENV) == ARMED
+
+
+def check_hooks() -> str:
+    """At start, before the process group: ``""`` when no hook variable is set, else the armed
+    hooks as ``NAME=VALUE; ...`` (to log and record in the run's config).
+
+    Raises UserError (one line) for a hook variable set without the test harness's arming, and
+    for an armed hook whose value does not parse (``POINT:RANK:STEP`` or ``KIND:N`` entries)."""
+    hooks = {name: os.environ[name] for name in (ENV, PERTURB_ENV) if os.environ.get(name)}
+    if not hooks:
+        return ""
+    named = ", ".join(hooks)
+    if not _armed():
+        raise UserError(
+            f"{named} is set in the environment but test hooks are not armed (only the test "
+            f"harness arms them with {ARM_ENV}): unset {named} before training"
+        )
+    for name, value in hooks.items():
+        if problem := (_fault_problem(value) if name == ENV else _perturb_problem(value)):
+            raise UserError(f"{name}={value} is malformed: {problem}")
+    return "; ".join(f"{name}={value}" for name, value in hooks.items())
+
+
+def _fault_problem(spec: str) -> str:
+    for entry in spec.split(","):
+        parts = entry.split(":")
+        if len(parts) != 3 or parts[0] not in POINTS or not all(p.isdigit() for p in parts[1:]):
+            return f"{entry!r} is not POINT:RANK:STEP with POINT one of {', '.join(POINTS)}"
+    return ""
+
+
+def _perturb_problem(spec: str) -> str:
+    for entry in spec.split(","):
+        kind, _, number = entry.partition(":")
+        if kind not in PERTURBATIONS or not number.isdigit():
+            return f"{entry!r} is not KIND:N with KIND one of {', '.join(PERTURBATIONS)}"
+    return ""
+
+
 def fault_armed() -> bool:
-    """Whether ``TORCHRUN_DDP_FAULT`` is set (production code then takes its normal path)."""
-    return bool(os.environ.get(ENV))
+    """Whether an armed ``TORCHRUN_DDP_FAULT`` is set (production code then takes its normal
+    path)."""
+    return _armed() and bool(os.environ.get(ENV))
 
 
 def fault_point(point: str, step: int) -> None:
-    """SIGKILL this process if ``TORCHRUN_DDP_FAULT`` names ``point`` and ``step`` for this rank
-    in this torchrun attempt; otherwise (the default, variable unset) do nothing."""
-    spec = os.environ.get(ENV)
-    if not spec:
+    """SIGKILL this process if an armed ``TORCHRUN_DDP_FAULT`` names ``point`` and ``step`` for
+    this rank in this torchrun attempt; otherwise (the default, no armed hook) do nothing."""
+    if not fault_armed():
         return
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    entries = spec.split(",")
+    entries = os.environ[ENV].split(",")
     if attempt >= len(entries):
         return
     want_point, rank, want_step = entries[attempt].split(":")
@@ -56,13 +112,14 @@ def fault_point(point: str, step: int) -> None:
 
 
 def perturbation(kind: str) -> int | None:
-    """The number that ``TORCHRUN_DDP_PERTURB`` gives ``kind`` (a step or a rank), or None
-    (the default: variable unset). Raises ValueError for an entry that is not ``KIND:N``."""
+    """The number that an armed ``TORCHRUN_DDP_PERTURB`` gives ``kind`` (a step or a rank), or
+    None (the default: no armed hook, or ``kind`` not named). The value was checked at start
+    (``check_hooks``)."""
     spec = os.environ.get(PERTURB_ENV)
-    if not spec:
+    if not spec or not _armed():
         return None
     for entry in spec.split(","):
-        name, number = entry.split(":")
+        name, _, number = entry.partition(":")
         if name == kind:
             return int(number)
     return None
@@ -76,6 +133,15 @@ def hold_point(step: int) -> None:
     path = os.environ.get(HOLD_ENV, "")
     while path and not os.path.exists(path):
         time.sleep(0.05)
+
+
+def perturbed_note() -> str:
+    """A stop message's tail when an armed ``TORCHRUN_DDP_PERTURB`` is set (the perturbation may
+    have caused the stop), else ``""``."""
+    spec = os.environ.get(PERTURB_ENV)
+    if not spec or not _armed():
+        return ""
+    return f" (the test hook {PERTURB_ENV}={spec} perturbed this run)"
 
 
 def _rank() -> int:

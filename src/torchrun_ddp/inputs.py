@@ -30,6 +30,7 @@ from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import DataCount, check_fits, run_device_type
 from torchrun_ddp.errors import DataError, UserError
+from torchrun_ddp.faults import check_hooks
 from torchrun_ddp.methods import Method, method_for
 from torchrun_ddp.metrics import (
     check_wandb_installed,
@@ -81,6 +82,8 @@ class Inputs:
     """The run's training method, built and checked once (``check_settings``)."""
     mode: DataParallel | None = None
     """The run's data-parallel mode on its ranks, built once (``check_settings``)."""
+    test_hooks: str = ""
+    """The test hooks the harness armed (``faults.check_hooks``), "" in every real run."""
 
 
 @dataclass
@@ -103,8 +106,10 @@ class CheckedInputs:
 
 
 def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
-    """A real start's inputs: the model's config, then ``check_inputs`` (the checks --dry-run
-    runs too), the documents opened. Raises UserError on the first problem."""
+    """A real start's inputs: the test hooks (a hook variable set but not armed by the test
+    harness is refused: ``faults.check_hooks``), the model's config, then ``check_inputs`` (the
+    checks --dry-run runs too), the documents opened. Raises UserError on the first problem."""
+    test_hooks = check_hooks()
     model_config = load_model_config(config.model)
     checked = check_inputs(config, env, model_config)
     assert checked.tokenizer is not None  # only --dry-run leaves a hub tokenizer unloaded
@@ -121,6 +126,7 @@ def prepare_inputs(config: TrainConfig, env: DistEnv) -> Inputs:
         questions=checked.questions,
         method=checked.method,
         mode=checked.mode,
+        test_hooks=test_hooks,
     )
 
 

@@ -57,7 +57,7 @@ from torchrun_ddp.inputs import (
 )
 from torchrun_ddp.methods import method_for
 from torchrun_ddp.metrics import any_rank, check_loss, check_records, progress_bar, restart_records
-from torchrun_ddp.model import autocast_context, causal_lm_inputs
+from torchrun_ddp.model import autocast_context, causal_lm_inputs, compile_failure
 from torchrun_ddp.parallel.modes import gradient_sync_off, mode_for
 from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
 from torchrun_ddp.training_data import bad_record_count
@@ -97,6 +97,8 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
         if env.is_main:
             record_data_error(config, exc)
         raise
+    except torch._dynamo.exc.TorchDynamoException as exc:  # --compile: no silent eager fallback
+        raise compile_failure(exc) from exc
     finally:
         shutdown_distributed()
 
@@ -107,7 +109,8 @@ def start(
     """Collective: find the storage domains of --checkpoint-dir, agree on what to resume
     (``checkpoint.agree_on_start``: one path for a shared folder and a folder per node), build
     this rank's trainer and resume it; rank 0 then trims ``metrics.jsonl`` to the resumed step
-    and saves the resolved config. ``attempt`` > 1 (or a torchrun restart count above 0) marks a
+    and saves the resolved config (with the armed test hooks, if any, as a comment: see
+    faults.py). ``attempt`` > 1 (or a torchrun restart count above 0) marks a
     restart of this job, which resumes its own checkpoints even under --no-resume.
 
     Raises UserError (every rank) for views of --checkpoint-dir that do not form storage
@@ -124,6 +127,8 @@ def start(
     rebuild = partial(rebuild_problem, method)
     plan = agree_on_start(root, storage, flags, rebuild, partial(check_records, metrics))
     trained = resumed_config(config, env, plan)  # the resumed shape, before anything is built
+    if inputs.test_hooks:
+        log.warning("test hooks armed by the test harness: %s", inputs.test_hooks)
     trainer = build_trainer(trained, env, device, inputs, plan.run_id, storage, mode, method)
     resume(trainer, plan)
     log.info(
@@ -134,7 +139,7 @@ def start(
         record_run_id(root, plan.run_id)
     if env.is_main:
         restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
-        save_config(config, Path(config.output_dir) / "config.toml")
+        save_config(config, Path(config.output_dir) / "config.toml", inputs.test_hooks)
         if plan.lost:  # counted where the run's metrics go: their own state was rebuilt
             trainer.metrics.log({"step": trainer.step, "rebuilt_ranks": len(plan.lost)})
     return trainer
@@ -288,13 +293,30 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
     trainer.method.after_backward()  # hsdp with a comm hook: the shards across replicas
     fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
     hold_point(trainer.step + 1)  # tests only (TORCHRUN_DDP_PERTURB hold)
-    if perturbation("nan-loss") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
-        loss = loss * math.nan
+    loss = perturb_step(trainer, loss)  # tests only (TORCHRUN_DDP_PERTURB)
     grad_norm = trainer.parallel.clip_grad_norm(trainer.model, trainer.config.max_grad_norm)
     trainer.optimizer.step()
+    if perturbation("nan-weight") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
+        with torch.no_grad():
+            next(trainer.model.parameters()).fill_(math.nan)
     trainer.scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
+
+
+def perturb_step(trainer: Trainer, loss: Tensor) -> Tensor:
+    """Tests only: the armed ``TORCHRUN_DDP_PERTURB`` (faults.py) of the step being trained, on
+    its loss (NaN, infinite or 1000 times larger) or its gradient (a NaN) before the optimizer
+    step; without an armed hook ``loss`` unchanged."""
+    step = trainer.step + 1
+    if perturbation("nan-grad") == step:
+        with torch.no_grad():
+            next(p.grad for p in trainer.model.parameters() if p.grad is not None).fill_(math.nan)
+    factor = {"nan-loss": math.nan, "inf-loss": math.inf, "big-loss": 1000.0}
+    for kind, times in factor.items():
+        if perturbation(kind) == step:
+            return loss * times
+    return loss
 
 
 def flush_exchange(trainer: Trainer) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from torchrun_ddp.build import Trainer, train_timeout_s
@@ -26,8 +27,11 @@ from torchrun_ddp.checkpoint import (
     save_checkpoint,
 )
 from torchrun_ddp.distributed import collective_timeout
+from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import perturbed_note
 from torchrun_ddp.inputs import checkpoint_root
 from torchrun_ddp.model import export_final_model, lora_settings
+from torchrun_ddp.parallel.shards import local_tensor
 from torchrun_ddp.training_data import DATA_ORDER
 
 log = logging.getLogger("torchrun_ddp")
@@ -94,7 +98,12 @@ def run_identity(trainer: Trainer) -> dict[str, object]:
 def save(trainer: Trainer) -> Path:
     """Save an exact-resume checkpoint of the step just finished (collective), under the
     start-up timeout (--timeout-s): a rank's write to a slow shared file system may take longer
-    than a training step's collectives may wait."""
+    than a training step's collectives may wait.
+
+    Raises UserError (every rank alike, one line) when a weight on any rank is NaN or infinite
+    (``check_weights``): nothing is saved over the last good checkpoint, and no final model
+    follows (it is exported after the last save)."""
+    check_weights(trainer)
     in_files = several_folders(trainer)
     per_rank = {name: obj.state_dict() for name, obj in rank_state(trainer, in_files).items()}
     per_rank["rng"] = capture_rng_state()
@@ -119,6 +128,26 @@ def save(trainer: Trainer) -> Path:
         )
     log.info("saved checkpoint %s", path)
     return path
+
+
+def check_weights(trainer: Trainer) -> None:
+    """Collective: stop when any rank's parameters (its shards under FSDP) hold a NaN or an
+    infinity, as a NaN gradient or a diverged update leaves them while the step's loss, computed
+    before the update, was still finite. One all-reduce of one flag per rank.
+
+    Raises UserError (every rank alike) with one line."""
+    local = [local_tensor(p.detach()) for p in trainer.model.parameters()]
+    finite = torch.stack([t.isfinite().all() for t in local if t.numel()]).all()
+    bad = (~finite).to(torch.int32).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    if not bad.item():
+        return
+    raise UserError(
+        f"the weights are not finite (NaN or infinite) after step {trainer.step}: stopped without "
+        "a checkpoint or final_model; resume the last good checkpoint with a lower "
+        f"--learning-rate, more --warmup-steps or a --max-grad-norm{perturbed_note()}"
+    )
 
 
 def save_final_model(trainer: Trainer) -> None:

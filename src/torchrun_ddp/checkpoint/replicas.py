@@ -21,6 +21,7 @@ from torchrun_ddp.checkpoint.adapters import Stateful
 from torchrun_ddp.checkpoint.codec import split_tree
 from torchrun_ddp.checkpoint.ranks import all_gather_json, rank_and_world
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import perturbed_note
 from torchrun_ddp.parallel.shards import local_tensor
 
 log = logging.getLogger("torchrun_ddp")
@@ -64,5 +65,5 @@ def check_replicas(
         raise UserError(
             f"the replicas differ after loading {source}: rank(s) {ranks} hold other model or "
             f"optimizer state than {than}; check the ranks' --checkpoint-dir folders (a damaged "
-            "or stale copy) and restart"
+            f"or stale copy) and restart{perturbed_note()}"
         )

@@ -11,6 +11,7 @@ import sys
 from tqdm import tqdm
 
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.faults import perturbed_note
 
 
 def progress_bar(initial: int, total: float, main_rank: bool) -> tqdm:
@@ -30,12 +31,13 @@ def check_loss(loss: float, step: int, max_loss: float) -> None:
     every rank) is NaN or infinite, or above ``max_loss`` (> 0). Called before that step's
     checkpoint, so none is saved over the last good one, and no final model is exported.
 
-    Raises UserError (every rank alike) with one line."""
+    Raises UserError (every rank alike) with one line, which names an armed test perturbation
+    (``faults.perturbed_note``)."""
     if math.isfinite(loss) and not 0 < max_loss < loss:
         return
     bound = "not finite" if not math.isfinite(loss) else f"above --max-loss {max_loss:g}"
     raise UserError(
         f"the training loss is {loss:g} at step {step} ({bound}): stopped without a checkpoint "
         "or final_model; resume the last good checkpoint with a lower --learning-rate or more "
-        "--warmup-steps"
+        f"--warmup-steps{perturbed_note()}"
     )

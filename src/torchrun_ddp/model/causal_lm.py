@@ -186,21 +186,37 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
 
 
 def compile_model(model: torch.nn.Module) -> bool:
-    """``model.compile()`` in place (torch.compile, inductor); returns whether it is compiled.
+    """``model.compile()`` in place (torch.compile, inductor); returns True (it is compiled).
 
     Compiling in place keeps the module and its ``state_dict`` keys unchanged (no ``_orig_mod.``
     prefix), so checkpoints and ``save_pretrained`` are the same with and without compile. Call it
     on the DDP module: dynamo's DDPOptimizer then splits the graph at bucket boundaries so the
-    all-reduces still overlap backward (https://pytorch.org/docs/stable/notes/ddp.html). Where
-    dynamo cannot run, or a graph fails to compile, it warns and runs that code eagerly
-    (``torch._dynamo.config.suppress_errors``).
+    all-reduces still overlap backward (https://pytorch.org/docs/stable/notes/ddp.html). There is
+    no silent eager fallback: dynamo's ``suppress_errors`` is turned off, so a graph that fails
+    to compile raises at its first call (``compile_failure`` words it in one line).
+
+    Raises UserError (one line) where dynamo cannot run at all.
     """
     if not torch._dynamo.is_dynamo_supported():
-        log.warning("--compile: torch.compile is not supported here; running eagerly")
-        return False
-    torch._dynamo.config.suppress_errors = True
+        raise UserError(
+            "--compile: torch.compile is not supported here (torch._dynamo.is_dynamo_supported() "
+            "is False for this Python and platform); run without --compile"
+        )
+    torch._dynamo.config.suppress_errors = False
     model.compile()
     return True
+
+
+def compile_failure(exc: BaseException) -> UserError:
+    """The one-line UserError for a graph that --compile could not compile (a
+    ``torch._dynamo.exc.TorchDynamoException`` from the first forward or backward), naming
+    dynamo's reason."""
+    inner = getattr(exc, "inner_exception", None)  # a backend's own error, under dynamo's
+    reason = f"{type(inner).__name__}: {first_line(inner)}" if inner else first_line(exc)
+    return UserError(
+        f"--compile: torch.compile failed ({type(exc).__name__}: {reason}); run "
+        "without --compile, or see TORCH_LOGS=dynamo for the graph that failed"
+    )
 
 
 def compile_blocks(blocks: list[torch.nn.Module]) -> bool:
@@ -208,7 +224,8 @@ def compile_blocks(blocks: list[torch.nn.Module]) -> bool:
     as torchtitan compiles per transformer block (``apply_compile`` in its ``parallelize.py``);
     the root (embeddings, final norm, head, loss) runs eagerly. FSDP2's unit hooks are not traced
     (dynamo's ``skip_fsdp_hooks``): they run eagerly around each compiled block. Returns whether
-    the blocks are compiled (False, with one warning, where dynamo cannot run)."""
+    the blocks are compiled (False where there are none). Raises UserError as
+    ``compile_model``."""
     if not blocks or not compile_model(blocks[0]):
         return False
     for block in blocks[1:]:
