@@ -103,17 +103,24 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_OWN_PORTS: set[str] = set()
+"""The MASTER_PORTs this process chose for its own single-process runs."""
+
+
 def init_distributed(env: DistEnv, device: torch.device, backend: str, timeout_s: int) -> int:
     """Start the default process group (env:// rendezvous, as torchrun sets it up) on a store
     prefix of this attempt's own (``attempt_store``); every later group (``new_group``) inherits
     the prefix. Returns the attempt number (``attempt_store``).
 
-    A single process without torchrun gets a store on a free port of 127.0.0.1.
+    A single process without torchrun gets a store on a free port of 127.0.0.1, a new one for
+    each run in the process (``main.run`` called again: an earlier run's store, still held by
+    an object of that run, would otherwise count this run as its restart and resume it).
     Raises TimeoutError if the ranks do not all reach the store within ``timeout_s`` seconds.
     """
-    if env.master_port == 0:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+    if env.master_port == 0 or os.environ.get("MASTER_PORT") in _OWN_PORTS:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a new port for every run: a store
+        os.environ["MASTER_PORT"] = str(_free_port())  # left alive would count a restart
+        _OWN_PORTS.add(os.environ["MASTER_PORT"])
     timeout = timedelta(seconds=timeout_s)
     store, attempt = attempt_store(env, timeout)
     dist.init_process_group(
