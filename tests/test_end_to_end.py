@@ -30,9 +30,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from torchrun_ddp import plot
 from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import planned_steps
-from torchrun_ddp.inputs import planned_data
-from torchrun_ddp.training_data import load_tokenizer, resolve_files
+from torchrun_ddp.dry_run import plan_model_config, planned_steps
+from torchrun_ddp.inputs import check_inputs, planned_data
 
 pytestmark = pytest.mark.slow  # trains the quick start under torchrun
 
@@ -195,8 +194,8 @@ def test_ranks_stop_together_at_the_end_of_uneven_data(sample_data: Path, tmp_pa
     for log_every, steps in last_steps.items():  # the dry run's plan says where the data ends
         args = _uneven_args(sample_data, data, tmp_path / "plan", log_every)
         config = parse_config([*args, "--dry-run", "--plan-world-size", "2"])
-        files = resolve_files(config.data_files, "--data-files")
-        counted = planned_data(config, DistEnv(), load_tokenizer(config.tokenizer), files)
+        checked = check_inputs(config, DistEnv(), plan_model_config(config))  # as a dry run
+        counted = planned_data(config, DistEnv(), checked)
         assert planned_steps(config, 2, counted) == steps, (log_every, counted)
     again = logs["again"]
     assert f"end of training data after {last_steps[3]} steps" in again, again
