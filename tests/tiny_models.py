@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -60,7 +61,12 @@ def tiny_model_path(name: str) -> Path:
 
 
 def train_in_group(
-    rank: int, world_size: int, argv: list[str], export: bool = True, per_node: int = 0
+    rank: int,
+    world_size: int,
+    argv: list[str],
+    export: bool = True,
+    per_node: int = 0,
+    on_start: Callable[[Trainer], None] | None = None,
 ) -> Trainer:
     """Run one training job on an initialised process group, as ``main.run`` does after
     ``init_distributed``: the real inputs, DDP model, optimizer, data, loop, checkpoints and
@@ -68,7 +74,9 @@ def train_in_group(
 
     With ``export=False`` the final model is not saved (under LoRA saving merges the adapters
     into the model, so call ``save_final_model`` after inspecting the trained adapters).
-    ``per_node``: ranks per simulated node (0: all on one node)."""
+    ``per_node``: ranks per simulated node (0: all on one node). ``on_start``: called with the
+    trainer once it is built and resumed, before its first step (e.g. to digest the resumed
+    weights)."""
     config = parse_config(argv)
     per_node = per_node or world_size
     env = DistEnv(
@@ -78,6 +86,8 @@ def train_in_group(
     if config.threads:  # as main.run does (the harness already set cores / world size)
         torch.set_num_threads(config.threads)
     trainer = start(config, env, torch.device("cpu"), inputs)
+    if on_start is not None:
+        on_start(trainer)
     if train(trainer) and export:
         save_final_model(trainer)
     trainer.metrics.close()
