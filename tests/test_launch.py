@@ -29,6 +29,7 @@ def _commands(stdout: str) -> list[list[str]]:
 def test_run_sh_prints_a_multi_node_command() -> None:
     env = {**os.environ, "PRINT_ONLY": "1", "NNODES": "2", "NODE_RANK": "1"}
     env |= {"MASTER_ADDR": "node0", "NPROC_PER_NODE": "8"}
+    env.pop("MASTER_PORT", None)  # run.sh's default port (a test before may have set one)
     result = subprocess.run(
         [str(REPO / "run.sh"), "--config", "configs/tiny.toml", "--output-dir", "a b"],
         env=env, capture_output=True, text=True, timeout=60, check=True,
