@@ -497,6 +497,7 @@ def test_readme_shows_the_main_commands_on_its_first_screen() -> None:
         "--optimizer demo",  # slow link
         "NNODES=1:4",  # elastic
         'pytest -q -m "not slow"',  # fast tier
+        "pytest -q -n 2 --dist loadfile",  # the full suite, as .ci/run runs it
     ):
         assert command in first_screen, f"README's first 60 lines lack {command!r}"
 
