@@ -149,10 +149,12 @@ def _site(
     base: Path, site: int, steps: int, lighthouse: str, log: Path, env: dict[str, str] | None = None
 ) -> subprocess.Popen:
     """Site ``site``: its own torchrun job of one rank (forked), own folders ``base/site-<n>``
-    and ``base/out-<n>``; ``env``: variables added to its environment."""
+    and ``base/out-<n>``; ``env``: variables added to its environment. Its quorum timeout
+    (--train-timeout-s, 90 s) outlasts the lighthouse's join timeout (30 s): a site that starts
+    late, while the other waits at a hold, gets a quorum of itself instead of timing out."""
     args = folder_args(
         base, f"site-{site}", steps, *DILOCO, "--output-dir", str(base / f"out-{site}"),
-        *_sites_flags(site, lighthouse, "--train-timeout-s", "30"),
+        *_sites_flags(site, lighthouse, "--train-timeout-s", "90"),
     )  # fmt: skip
     return subprocess.Popen(
         torchrun_command(args, 1, forked=True), cwd=REPO, env={**subprocess_env(), **(env or {})},
