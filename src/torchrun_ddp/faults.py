@@ -30,10 +30,13 @@ site so that a restarted one is back before the run ends).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
 import time
+
+import torch
 
 from torchrun_ddp.errors import UserError
 
@@ -146,3 +149,30 @@ def perturbed_note() -> str:
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+_LOSS_FACTORS = {"nan-loss": math.nan, "inf-loss": math.inf, "big-loss": 1000.0}
+
+
+def before_update(step: int, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """Tests only, between optimizer step ``step``'s backward and its update: a kill
+    (``fault_point``), a hold (``hold_point``), then an armed ``TORCHRUN_DDP_PERTURB`` of its
+    gradient (``nan-grad``: one NaN gradient) or its loss (NaN, infinite or 1000 times larger).
+    Returns ``loss``, changed only by an armed loss perturbation."""
+    fault_point("step", step)
+    hold_point(step)
+    if perturbation("nan-grad") == step:
+        with torch.no_grad():
+            next(p.grad for p in model.parameters() if p.grad is not None).fill_(math.nan)
+    for kind, times in _LOSS_FACTORS.items():
+        if perturbation(kind) == step:
+            return loss * times
+    return loss
+
+
+def after_update(step: int, model: torch.nn.Module) -> None:
+    """Tests only, after optimizer step ``step``'s update: an armed ``nan-weight`` makes a
+    weight NaN."""
+    if perturbation("nan-weight") == step:
+        with torch.no_grad():
+            next(model.parameters()).fill_(math.nan)

@@ -28,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from torchrun_ddp.checkpoint import find_latest, read_meta
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.distributed import DistEnv
-from torchrun_ddp.dry_run import DataCount, check_fits, run_device_type
+from torchrun_ddp.dry_run import DataCount, check_fits, dry_run, plan_model_config, run_device_type
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.faults import check_hooks
 from torchrun_ddp.methods import Method, method_for
@@ -184,6 +184,17 @@ def check_settings(
             f"use --seq-length {limit} or less"
         )
     return method, mode
+
+
+def print_plan(config: TrainConfig, env: DistEnv) -> None:
+    """--dry-run: a real start's input checks (``check_inputs``), then rank 0 prints the plan
+    (``dry_run.dry_run``) with what was counted of the data (``planned_data``). Raises
+    UserError as a start would."""
+    model_config = plan_model_config(config)
+    checked = check_inputs(config, env, model_config)
+    if env.is_main:
+        data = planned_data(config, env, checked)
+        print(dry_run(config, env, data, model_config, checked.method))
 
 
 def planned_data(config: TrainConfig, env: DistEnv, checked: CheckedInputs) -> DataCount:

@@ -13,7 +13,6 @@ synchronisation. Evaluate and checkpoint on their cadences.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import os
@@ -22,7 +21,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -43,23 +41,30 @@ from torchrun_ddp.distributed import (
     setup_logging,
     shutdown_distributed,
 )
-from torchrun_ddp.dry_run import dry_run, plan_model_config
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
-from torchrun_ddp.faults import fault_point, hold_point, perturbation
+from torchrun_ddp.faults import after_update, before_update
 from torchrun_ddp.inputs import (
     Inputs,
-    check_inputs,
     checkpoint_root,
-    planned_data,
     prepare_inputs,
+    print_plan,
     record_data_error,
 )
 from torchrun_ddp.methods import method_for
-from torchrun_ddp.metrics import any_rank, check_loss, check_records, progress_bar, restart_records
+from torchrun_ddp.metrics import (
+    any_rank,
+    check_loss,
+    check_records,
+    is_log_step,
+    no_step_message,
+    progress_bar,
+    restart_records,
+)
 from torchrun_ddp.model import autocast_context, causal_lm_inputs, compile_failure
 from torchrun_ddp.parallel.modes import gradient_sync_off, mode_for
 from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
+from torchrun_ddp.sites import sites_join
 from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import save, save_final_model
 
@@ -74,11 +79,7 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
     """
     setup_logging(env.rank, config.verbose)
     if config.dry_run:
-        model_config = plan_model_config(config)
-        checked = check_inputs(config, env, model_config)  # a real start's checks
-        if env.is_main:
-            data = planned_data(config, env, checked)
-            print(dry_run(config, env, data, model_config, checked.method))
+        print_plan(config, env)  # a real start's input checks, then the plan
         return True
     inputs = prepare_inputs(config, env)
     device = pick_device(env, config.device)
@@ -145,11 +146,6 @@ def start(
     return trainer
 
 
-def sites_join() -> ModuleType:
-    """``sites.join``, imported only for a run across sites (torchft's imports take about 3 s)."""
-    return importlib.import_module("torchrun_ddp.sites.join")
-
-
 def train(trainer: Trainer) -> bool:
     """The training loop. Returns True when training finished (step limit or end of data) and
     False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
@@ -161,7 +157,9 @@ def train(trainer: Trainer) -> bool:
     with StopRequest() as stop:
         data_ends, stopping = check_in(trainer, max_steps, stop.requested)
         if data_ends and trainer.step == 0:
-            raise UserError(no_step_message(trainer, max_steps))
+            raise UserError(
+                no_step_message(config.log_every, max_steps, trainer.window.tokens_per_step)
+            )
         if trainer.step == 0 and config.eval_every:
             trainer.metrics.log({"step": 0, **evaluate(trainer)})  # the untrained baseline
         trainer.model.train()
@@ -194,24 +192,6 @@ def train(trainer: Trainer) -> bool:
     progress.close()
     finish(trainer)
     return True
-
-
-def no_step_message(trainer: Trainer, max_steps: float) -> str:
-    """The one line of a fresh run whose data ends before its first log step (ranks agree on
-    the end of data there), so it would train no step: nothing is exported or checkpointed."""
-    config = trainer.config
-    first_log_step = int(min(config.log_every, max_steps))
-    return (
-        f"the training data ended before step {first_log_step}, the first log step (ranks "
-        f"agree on the end of data there), so no optimizer step was trained; a step takes "
-        f"{trainer.window.tokens_per_step} tokens over all ranks: add documents, raise "
-        "--epochs, or lower --log-every, --batch-size or --seq-length"
-    )
-
-
-def is_log_step(step: int, log_every: int, max_steps: float) -> bool:
-    """Whether ``step`` ends a logging window: every ``log_every`` steps and the last step."""
-    return step % log_every == 0 or step >= max_steps
 
 
 def check_in(
@@ -291,32 +271,13 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
         trainer.model, batches, precision, trainer.data.step_tokens, trainer.parallel.no_sync
     )
     trainer.method.after_backward()  # hsdp with a comm hook: the shards across replicas
-    fault_point("step", trainer.step + 1)  # tests only (TORCHRUN_DDP_FAULT)
-    hold_point(trainer.step + 1)  # tests only (TORCHRUN_DDP_PERTURB hold)
-    loss = perturb_step(trainer, loss)  # tests only (TORCHRUN_DDP_PERTURB)
+    loss = before_update(trainer.step + 1, trainer.model, loss)  # tests only (faults.py)
     grad_norm = trainer.parallel.clip_grad_norm(trainer.model, trainer.config.max_grad_norm)
     trainer.optimizer.step()
-    if perturbation("nan-weight") == trainer.step + 1:  # tests only (TORCHRUN_DDP_PERTURB)
-        with torch.no_grad():
-            next(trainer.model.parameters()).fill_(math.nan)
+    after_update(trainer.step + 1, trainer.model)  # tests only (faults.py)
     trainer.scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
-
-
-def perturb_step(trainer: Trainer, loss: Tensor) -> Tensor:
-    """Tests only: the armed ``TORCHRUN_DDP_PERTURB`` (faults.py) of the step being trained, on
-    its loss (NaN, infinite or 1000 times larger) or its gradient (a NaN) before the optimizer
-    step; without an armed hook ``loss`` unchanged."""
-    step = trainer.step + 1
-    if perturbation("nan-grad") == step:
-        with torch.no_grad():
-            next(p.grad for p in trainer.model.parameters() if p.grad is not None).fill_(math.nan)
-    factor = {"nan-loss": math.nan, "inf-loss": math.inf, "big-loss": 1000.0}
-    for kind, times in factor.items():
-        if perturbation(kind) == step:
-            return loss * times
-    return loss
 
 
 def flush_exchange(trainer: Trainer) -> None:

@@ -21,7 +21,7 @@ from torchrun_ddp.metrics.peaks import (
     measure_cpu_peak_flops,
     peak_memory_bytes,
 )
-from torchrun_ddp.metrics.progress import check_loss, progress_bar
+from torchrun_ddp.metrics.progress import check_loss, is_log_step, no_step_message, progress_bar
 from torchrun_ddp.metrics.records import check_records, read_records, restart_records
 from torchrun_ddp.metrics.sinks import (
     WANDB_PROJECT,
@@ -54,7 +54,9 @@ __all__ = [
     "check_wandb_installed",
     "device_peak_flops",
     "gpu_peak_flops",
+    "is_log_step",
     "measure_cpu_peak_flops",
+    "no_step_message",
     "peak_memory_bytes",
     "progress_bar",
     "read_records",

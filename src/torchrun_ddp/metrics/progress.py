@@ -41,3 +41,20 @@ def check_loss(loss: float, step: int, max_loss: float) -> None:
         "or final_model; resume the last good checkpoint with a lower --learning-rate or more "
         f"--warmup-steps{perturbed_note()}"
     )
+
+
+def is_log_step(step: int, log_every: int, max_steps: float) -> bool:
+    """Whether ``step`` ends a logging window: every ``log_every`` steps and the last step."""
+    return step % log_every == 0 or step >= max_steps
+
+
+def no_step_message(log_every: int, max_steps: float, tokens_per_step: int) -> str:
+    """The one line of a fresh run whose data ends before its first log step (ranks agree on
+    the end of data there), so it would train no step: nothing is exported or checkpointed."""
+    first_log_step = int(min(log_every, max_steps))
+    return (
+        f"the training data ended before step {first_log_step}, the first log step (ranks "
+        f"agree on the end of data there), so no optimizer step was trained; a step takes "
+        f"{tokens_per_step} tokens over all ranks: add documents, raise "
+        "--epochs, or lower --log-every, --batch-size or --seq-length"
+    )
