@@ -27,11 +27,12 @@ import re
 import runpy
 import shlex
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
@@ -164,7 +165,7 @@ def run(program: str, args: tuple[str, ...], env: tuple[tuple[str, str], ...]) -
     that checks it share one run."""
     out, err = io.StringIO(), io.StringIO()
     with (
-        environment({"COLUMNS": COLUMNS, **dict(env)}),
+        mock.patch.dict(os.environ, {"COLUMNS": COLUMNS, **dict(env)}),
         contextlib.chdir(REPO),
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(err),
@@ -195,21 +196,6 @@ def train_module() -> ModuleType:
     import train  # noqa: PLC0415 - heavy, and only here
 
     return train
-
-
-@contextlib.contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` set, restored on exit."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def block_output(command: str) -> str:

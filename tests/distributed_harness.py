@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -93,17 +94,9 @@ def armed_hooks(faults: str = "", perturb: str = "") -> Iterator[None]:
     """In this process (a spawned rank): the test hooks of faults.py set and armed, as
     ``hook_env``, while the block runs; the variables as they were afterwards."""
     hooks = {faults_module.ENV: faults, faults_module.PERTURB_ENV: perturb}
-    before = {name: os.environ.get(name) for name in (*hooks, faults_module.ARM_ENV)}
-    os.environ.update({name: value for name, value in hooks.items() if value})
-    os.environ[faults_module.ARM_ENV] = faults_module.ARMED
-    try:
+    armed = {name: value for name, value in hooks.items() if value}
+    with mock.patch.dict(os.environ, {**armed, faults_module.ARM_ENV: faults_module.ARMED}):
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def clone_env(clone: Path) -> dict[str, str]:
