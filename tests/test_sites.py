@@ -181,19 +181,39 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 
         assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
 
 
-@pytest.mark.slow
-def test_two_sites_train_what_one_job_of_their_ranks_trains(
-    tmp_path: Path, lighthouse: str
-) -> None:
-    steps = 8
-    logs = [tmp_path / f"site-{site}.log" for site in range(2)]
-    procs = [_site(tmp_path, site, steps, lighthouse, logs[site]) for site in range(2)]
+def _run_sites(
+    base: Path, steps: int, lighthouse: str, env: dict[str, str] | None = None
+) -> list[int]:
+    """Both sites' torchrun jobs until they end (``env`` added to both); their exit statuses."""
+    logs = [base / f"site-{site}.log" for site in range(2)]
+    procs = [_site(base, site, steps, lighthouse, logs[site], env) for site in range(2)]
     try:
-        _wait_all(procs, logs)
+        return [proc.wait(timeout=400) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
                 _kill_tree(proc)
+
+
+@pytest.mark.slow
+def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_both_stop(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Both sites SIGKILL themselves in step 7 (after their checkpoint and committed sync of
+    step 6; torchrun does not restart them), so the whole run stops; started again, each site
+    resumes its own checkpoint of step 6 (no heal: both at the same step) and the run ends as
+    one uninterrupted torchrun job of their two ranks ends: the same loss at every step and
+    bit-identical final weights."""
+    steps, logs = 8, [tmp_path / f"site-{site}.log" for site in range(2)]
+    stopped = _run_sites(tmp_path, steps, lighthouse, hook_env(faults="step:0:7"))
+    assert all(status != 0 for status in stopped), stopped
+    assert max(logged_losses(tmp_path / "out-0")) == 6
+    sizes = [len(log.read_text()) for log in logs]
+    assert _run_sites(tmp_path, steps, lighthouse) == [0, 0], logs[0].read_text()[-4000:]
+    for log, size in zip(logs, sizes, strict=True):
+        again = log.read_text()[size:]
+        assert "at step 6" in again and "resumed from" in again, again[-4000:]
+        assert "sites: healed" not in again, again[-4000:]
     one_job = folder_args(
         tmp_path, "one-job", steps, *DILOCO, "--output-dir", str(tmp_path / "one-job-out")
     )
