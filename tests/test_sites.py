@@ -23,11 +23,13 @@ import pytest
 import torch
 from distributed_harness import (
     REPO,
+    assert_logged_once,
     final_weights,
     folder_args,
     free_port,
     hook_env,
     logged_losses,
+    metrics_records,
     subprocess_env,
     torchrun_command,
     worker_pids,
@@ -289,6 +291,52 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     assert "sites: healed, training on from step 20" in again, again[-4000:]
     trained = sorted(step for step in logged_losses(tmp_path / "out-0") if step >= killed[1])
     assert trained == list(range(max(killed[1], 1), steps + 1))  # every step, none lost
+    want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
+    for name, tensor in want.items():
+        assert torch.equal(have[name], tensor), name
+
+
+@pytest.mark.slow
+def test_a_lighthouse_outage_shorter_than_the_quorum_timeout_costs_a_stall_not_the_run(
+    tmp_path: Path,
+) -> None:
+    """The lighthouse is killed once both sites trained to step 4 and started again on its port
+    8 s later (it keeps nothing: the sites register again by their heartbeats). The sites wait
+    at their next sync, their quorum call retried (--quorum-retries) within --quorum-timeout-s
+    (90 s here), then train on with the same processes: every step logged once, no restart,
+    equal final replicas. ``hold:12`` keeps the run going until the lighthouse is back."""
+    steps, hold, port = 16, tmp_path / "hold", free_port()
+    logs = [tmp_path / f"site-{site}.log" for site in range(2)]
+    house = _lighthouse(port, 2, tmp_path / "lighthouse.log")
+    paced = {**hook_env(perturb="hold:12"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
+    procs: list[subprocess.Popen] = []
+    try:
+        _wait_for(lambda: _listening(port), "the lighthouse", timeout=30)
+        address = f"127.0.0.1:{port}"
+        procs = [_site(tmp_path, site, steps, address, logs[site], paced) for site in range(2)]
+        _wait_for(lambda: _both_trained(tmp_path, 4), "both sites at step 4", 300)
+        workers = [worker_pids(proc.pid) for proc in procs]
+        house.kill()
+        house.wait(timeout=30)
+        down = max(logged_losses(tmp_path / "out-0"))
+        time.sleep(8)
+        assert max(logged_losses(tmp_path / "out-0")) <= down + 2  # stopped at its next sync
+        house = _lighthouse(port, 2, tmp_path / "lighthouse-again.log")
+        _wait_for(lambda: _both_trained(tmp_path, min(down + 3, 11)), "a sync after it", 120)
+        assert workers == [worker_pids(proc.pid) for proc in procs]  # the same processes
+        hold.touch()
+        _wait_all(procs, logs)
+    finally:
+        house.kill()
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    for site in range(2):
+        assert_logged_once(tmp_path / f"out-{site}", steps)
+        assert "attempt 2" not in logs[site].read_text()
+    stall = max(r["step_time_s"] for r in metrics_records(tmp_path / "out-0") if "loss" in r)
+    print(f"lighthouse outage of 8 s: site 0's longest step {stall:.1f} s")  # pytest -s
+    assert stall > 5  # the outage stalled a sync
     want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
     for name, tensor in want.items():
         assert torch.equal(have[name], tensor), name
