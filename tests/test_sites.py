@@ -42,7 +42,8 @@ from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.sites import data_place, site_settings
-from torchrun_ddp.sites.positions import pack, read_position, unpack, write_position
+from torchrun_ddp.sites.check import HealCheck
+from torchrun_ddp.sites.positions import Shared, pack, read_position, unpack, write_position
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
@@ -125,12 +126,42 @@ def test_a_data_position_round_trips_on_disk_and_between_sites(tmp_path: Path) -
     assert step == 12 and back["epoch"] == 1 and back["nested"] == {"tokens": [1, 2]}
     assert torch.equal(back["offsets"], position["offsets"])
     assert read_position(tmp_path, 0) is None
-    site, step, shared = unpack(pack(3, 14, position))
-    assert (site, step) == (3, 14) and torch.equal(shared["offsets"], position["offsets"])
+    shared = unpack(pack(3, 14, position, "ab12"))
+    assert (shared.site, shared.step, shared.digest) == (3, 14, "ab12")
+    assert torch.equal(shared.position["offsets"], position["offsets"])
     blob = pack(3, 14, position)
     blob[-1] ^= 0xFF
     with pytest.raises(ValueError, match="SHA-256"):
         unpack(blob)
+
+
+def test_replicas_are_compared_at_the_first_sync_after_a_heal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The site that took the state stops when its digest differs from the sender's; the
+    sender logs it and trains on; equal digests are logged; a sync that is not committed
+    waits for the next."""
+    took, sent = HealCheck(1), HealCheck(0)
+    for check, digest, healed in ((took, "aa", True), (sent, "bb", False)):
+        check.fingerprint = lambda digest=digest: digest
+        check.mark(took=healed)
+        check.settle([])  # the sync of the heal: nothing to compare yet
+        assert check.due() == digest  # the next sync shares the fingerprint
+    shared = [Shared(0, 4, {}, "bb"), Shared(1, 4, {}, "aa"), Shared(2, 4, {}, "")]
+    took.settle(None)  # not committed: still due
+    with pytest.raises(UserError, match=r"site 1's synced state differs from site\(s\) \[0\]"):
+        took.settle(shared)
+    with caplog.at_level("INFO", logger="torchrun_ddp"):
+        sent.settle(shared)
+        assert "the healed site stops, this one trains on" in caplog.text
+        assert sent.due() == ""  # checked once
+        equal = HealCheck(1)
+        equal.fingerprint = lambda: "bb"
+        equal.mark(took=True)
+        equal.settle([])
+        equal.due()
+        equal.settle([Shared(0, 4, {}, "bb"), Shared(1, 4, {}, "bb")])
+        assert "replicas agree after the heal (sites [0, 1]" in caplog.text
 
 
 # -- real processes --------------------------------------------------------------------------
@@ -289,6 +320,8 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     assert taken is not None, again[-4000:]
     assert int(taken.group(1)) in (record[0], record[0] + 2)  # a kill between commit and write
     assert "sites: healed, training on from step 20" in again, again[-4000:]
+    for log in (site0[killed[0] :], again):  # fingerprinted at the sync after the heal
+        assert "sites: replicas agree after the heal (sites [0, 1]" in log, log[-3000:]
     trained = sorted(step for step in logged_losses(tmp_path / "out-0") if step >= killed[1])
     assert trained == list(range(max(killed[1], 1), steps + 1))  # every step, none lost
     want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")

@@ -20,6 +20,7 @@ from typing import cast
 import torch
 
 from torchrun_ddp.build import Trainer
+from torchrun_ddp.checkpoint.replicas import state_digest
 from torchrun_ddp.inputs import checkpoint_root
 from torchrun_ddp.optim import SyncedState
 from torchrun_ddp.sites.diloco import SiteDiLoCo
@@ -81,6 +82,7 @@ def join_sites(trainer: Trainer) -> None:
         lambda: heal_state(trainer, optimizer, not joining[0]),
         lambda state: take_heal_state(trainer, optimizer, state, not joining[0]),
     )
+    link.check.fingerprint = lambda: state_digest({"outer": SyncedState(optimizer)})
     link.after_commit = lambda: write_position(
         root, rank, trainer.step + 1, trainer.data.state_dict()
     )
@@ -89,7 +91,7 @@ def join_sites(trainer: Trainer) -> None:
         take_own_position(trainer, root)
     joining[0] = False
     site = trainer.config.site_id
-    link.share = lambda: pack(site, trainer.step + 1, trainer.data.state_dict())
+    link.share = lambda digest: pack(site, trainer.step + 1, trainer.data.state_dict(), digest)
 
 
 def take_own_position(trainer: Trainer, root: Path) -> None:
@@ -104,7 +106,8 @@ def take_own_position(trainer: Trainer, root: Path) -> None:
         found.append((*record, "its own disk"))
     blob = optimizer.link.book.get(trainer.config.site_id)
     if blob is not None:
-        found.append((*unpack(blob)[1:], "its copy on a live site"))
+        shared = unpack(blob)
+        found.append((shared.step, shared.position, "its copy on a live site"))
     if not found:
         log.warning(
             "sites: no record of this rank's data position at its last committed sync, on its "

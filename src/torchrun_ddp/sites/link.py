@@ -27,6 +27,7 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from torchrun_ddp.checkpoint.heal import HealTransport
+from torchrun_ddp.sites.check import HealCheck
 from torchrun_ddp.sites.positions import gather_blobs, unpack
 from torchrun_ddp.sites.settings import SiteSettings
 
@@ -54,9 +55,10 @@ class SiteLink:
         self._take: Callable[[HealState], None] = lambda state: None
         self.after_commit: Callable[[], None] = lambda: None
         """Called after every committed sync but a site's join (``SiteDiLoCo``)."""
-        self.share: Callable[[], torch.Tensor] = lambda: torch.zeros(0, dtype=torch.uint8)
-        """This rank's packed data position to share at a sync (``positions.pack``; empty:
-        none, as in a site's join)."""
+        self.share: Callable[[str], torch.Tensor] = lambda digest: torch.zeros(0, dtype=torch.uint8)
+        """This rank's packed data position, with the given digest, to share at a sync
+        (``positions.pack``; empty: none, as in a site's join)."""
+        self.check = HealCheck(settings.site_id)
         self.book: dict[int, torch.Tensor] = {}
         """Site -> its rank's packed data position at its last committed sync (``positions``:
         the copy on the peers)."""
@@ -82,11 +84,13 @@ class SiteLink:
         self._send, self._take = send, take
 
     def _state(self) -> HealState:
+        self.check.mark(took=False)
         return self._send()
 
     def _load(self, state: HealState) -> None:
         self._take(state)
         self.healed = True
+        self.check.mark(took=True)
         log.info(
             "sites: healed from a live site at sync %d: %.2f MiB in %.3f s",
             self.manager.current_step(), self.transport.last.bytes / 2**20,
@@ -105,15 +109,17 @@ class SiteLink:
         self.participants = self.manager.num_participants()
         gathered = self._gather()
         committed = self.manager.should_commit()
+        shared = [unpack(blob) for blob in filter(torch.Tensor.numel, gathered)]
         if committed:
-            for blob in filter(torch.Tensor.numel, gathered):
-                self.book[unpack(blob)[0]] = blob
-        if not committed:
+            for entry, blob in zip(shared, filter(torch.Tensor.numel, gathered), strict=True):
+                self.book[entry.site] = blob
+        else:
             log.warning(
                 "sites: sync %d not committed (a site failed during it): its update is "
                 "dropped, the local progress kept for the next sync",
                 self.manager.current_step(),
             )
+        self.check.settle(shared if committed else None)
         return committed
 
     def _gather(self) -> list[torch.Tensor]:
@@ -123,7 +129,7 @@ class SiteLink:
         if self.manager.errored() is not None:
             return []
         try:
-            return gather_blobs(self.group, self.share(), self.timeout)
+            return gather_blobs(self.group, self.share(self.check.due()), self.timeout)
         except RuntimeError as exc:  # gloo's error for a site lost during the sync
             self.manager.report_error(exc)
             return []

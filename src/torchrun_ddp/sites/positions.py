@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import cast
@@ -59,17 +60,32 @@ def read_position(root: Path, rank: int) -> tuple[int, Mapping[str, object]] | N
     return step, cast(Mapping[str, object], state["data"])
 
 
-def pack(site: int, step: int, position: Mapping[str, object]) -> torch.Tensor:
-    """Site ``site``'s ``position`` as of ``step`` in one uint8 tensor: the header's length (8
-    bytes, little endian), the header (``heal.encode``'s JSON) and the safetensors payload."""
-    header, payload = encode({"site": site, "data": position}, step)
+@dataclass(frozen=True)
+class Shared:
+    """What a site's rank shares with the live sites at a sync (``pack``/``unpack``)."""
+
+    site: int
+    step: int
+    """The optimizer step the position is at (after the sync's step)."""
+    position: Mapping[str, object]
+    """The rank's data loader state (JSON values and tensors)."""
+    digest: str = ""
+    """SHA-256 (hex) of the rank's synced state before this sync's outer step, shared at the
+    first sync after a heal (``SiteLink``); "" otherwise."""
+
+
+def pack(site: int, step: int, position: Mapping[str, object], digest: str = "") -> torch.Tensor:
+    """Site ``site``'s ``position`` as of ``step`` (and ``digest``, see ``Shared``) in one
+    uint8 tensor: the header's length (8 bytes, little endian), the header (``heal.encode``'s
+    JSON) and the safetensors payload."""
+    header, payload = encode({"site": site, "data": position, "digest": digest}, step)
     data = len(header).to_bytes(8, "little") + header + payload
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def unpack(blob: torch.Tensor) -> tuple[int, int, Mapping[str, object]]:
-    """``(site, step, position)``: ``pack``'s inverse. Raises ValueError for a blob whose
-    parts do not match its header (sizes, SHA-256)."""
+def unpack(blob: torch.Tensor) -> Shared:
+    """``pack``'s inverse. Raises ValueError for a blob whose parts do not match its header
+    (sizes, SHA-256)."""
     data = blob.numpy().tobytes()
     size = int.from_bytes(data[:8], "little")
     if not 0 < size <= len(data) - 8:
@@ -77,7 +93,16 @@ def unpack(blob: torch.Tensor) -> tuple[int, int, Mapping[str, object]]:
     header = json_object(json.loads(data[8 : 8 + size]))
     step = json_int(header.get("step"))
     state = json_object(decode(header, data[8 + size :], step))
-    return json_int(state["site"]), step, cast(Mapping[str, object], state["data"])
+    position = cast(Mapping[str, object], state["data"])
+    return Shared(json_int(state["site"]), step, position, str(state.get("digest", "")))
+
+
+def differing_sites(mine: Shared, shared: list[Shared]) -> list[int]:
+    """The sites among ``shared`` whose non-empty ``digest`` differs from ``mine``'s (none
+    where ``mine`` has none): the replicas that are not equal after a heal."""
+    if not mine.digest:
+        return []
+    return sorted(s.site for s in shared if s.digest and s.digest != mine.digest)
 
 
 def gather_blobs(group: ProcessGroup, blob: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
