@@ -179,19 +179,29 @@ def _lighthouse(port: int, min_replicas: int, log: Path) -> subprocess.Popen[byt
 
 
 def _site(
-    base: Path, site: int, steps: int, lighthouse: str, log: Path, env: dict[str, str] | None = None
+    base: Path,
+    site: int,
+    steps: int,
+    lighthouse: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+    ranks: int = 1,
 ) -> subprocess.Popen:
-    """Site ``site``: its own torchrun job of one rank (forked), own folders ``base/site-<n>``
-    and ``base/out-<n>``; ``env``: variables added to its environment. Its quorum timeout
-    (--train-timeout-s, 90 s) outlasts the lighthouse's join timeout (30 s): a site that starts
-    late, while the other waits at a hold, gets a quorum of itself instead of timing out."""
+    """Site ``site``: its own torchrun job of ``ranks`` ranks (forked; as many restarts as
+    ``env`` injects faults), own folders ``base/site-<n>`` and ``base/out-<n>``; ``env``:
+    variables added to its environment. Its quorum timeout (--train-timeout-s, 90 s) outlasts
+    the lighthouse's join timeout (30 s): a site that starts late, while the other waits at a
+    hold, gets a quorum of itself instead of timing out."""
     args = folder_args(
         base, f"site-{site}", steps, *DILOCO, "--output-dir", str(base / f"out-{site}"),
         *_sites_flags(site, lighthouse, "--train-timeout-s", "90"),
     )  # fmt: skip
+    faults = (env or {}).get("TORCHRUN_DDP_FAULT", "")
+    restarts = (f"--max-restarts={len(faults.split(','))}",) if faults else ()
     return subprocess.Popen(
-        torchrun_command(args, 1, forked=True), cwd=REPO, env={**subprocess_env(), **(env or {})},
-        stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
+        torchrun_command(args, ranks, forked=True, extra=restarts), cwd=REPO,
+        env={**subprocess_env(), **(env or {})}, stdout=log.open("a"), stderr=subprocess.STDOUT,
+        start_new_session=True,
     )  # fmt: skip
 
 
@@ -324,6 +334,48 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
         assert "sites: replicas agree after the heal (sites [0, 1]" in log, log[-3000:]
     trained = sorted(step for step in logged_losses(tmp_path / "out-0") if step >= killed[1])
     assert trained == list(range(max(killed[1], 1), steps + 1))  # every step, none lost
+    want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
+    for name, tensor in want.items():
+        assert torch.equal(have[name], tensor), name
+
+
+@pytest.mark.slow
+def test_a_site_of_two_ranks_restarted_by_torchrun_resumes_heals_and_rejoins(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """2 sites x 2 ranks. Rank 1 of site 1 SIGKILLs itself in step 7 (after the committed sync
+    and checkpoint of step 6); torchrun restarts site 1 (one restart for the one fault), which
+    resumes its checkpoint, heals from site 0 (ahead of it) and takes its ranks' own data
+    positions from its disk; site 0 keeps its processes (it waits at its sync for the quorum of
+    2 sites). The restarted site's Managers meet in a new store: torchrun's outlives the
+    restart and would still hold the dead attempt's Manager address."""
+    steps, logs = 12, [tmp_path / f"site-{site}.log" for site in range(2)]
+    envs = [subprocess_env(), hook_env(faults="step:1:7")]
+    procs = [
+        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], ranks=2)
+        for site in range(2)
+    ]
+    try:
+        _wait_for(lambda: max(logged_losses(tmp_path / "out-0"), default=0) >= 4, "step 4", 300)
+        workers = worker_pids(procs[0].pid)
+        _wait_for(lambda: "sites: healed from" in logs[1].read_text(), "site 1's heal", 300)
+        assert worker_pids(procs[0].pid) == workers  # site 0: the same processes
+        _wait_all(procs, logs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    site0, site1 = (log.read_text() for log in logs)
+    assert "attempt 2" in site1 and "attempt 2" not in site0, site1[-3000:]
+    assert re.search(r"resumed from \S+step-6 at step 6", site1), site1[-4000:]
+    again = site1[site1.index("attempt 2") :]
+    assert "sites: healed from a live site" in again, again[-4000:]
+    assert (
+        "sites: own data position of step 6 (its last committed sync), from its own disk" in again
+    )
+    for log in (site0, again):
+        assert "sites: replicas agree after the heal (sites [0, 1]" in log, log[-3000:]
+    assert_logged_once(tmp_path / "out-0", steps)
     want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
     for name, tensor in want.items():
         assert torch.equal(have[name], tensor), name

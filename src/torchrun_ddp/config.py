@@ -440,6 +440,11 @@ class TrainConfig:
         "and its torchft manager (reachable from every site); empty: MASTER_ADDR for the store, "
         "the host name for the manager.",
     )
+    site_store_port: int = opt(
+        0,
+        "--fault-tolerance sites: the port of the store this site's rank 0 hosts for its torchft "
+        "managers (new in each attempt; open to the other sites); 0: a free port.",
+    )
     quorum_timeout_s: int = opt(
         0,
         "--fault-tolerance sites: seconds a quorum may take, lighthouse retries included (the "

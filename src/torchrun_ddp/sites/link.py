@@ -2,8 +2,9 @@
 that the lighthouse's quorum reconfigures to the live sites, healing through ``HealTransport``.
 
 The Manager of rank ``r`` of site ``s`` meets rank ``r`` of every other live site (torchft's
-replica groups: a site is one, its ranks the group's ranks). The site's own store (torchrun's, at
-MASTER_ADDR:MASTER_PORT, or ``--site-address``) is advertised to the lighthouse for the
+replica groups: a site is one, its ranks the group's ranks). The site's store for its Managers,
+new in each attempt (``attempt_store``: hosted by its rank 0 on ``--site-store-port``, else a
+free port, at ``--site-address``, else MASTER_ADDR), is advertised to the lighthouse for the
 cross-site process group; the Manager's server advertises ``--site-address`` (else the host
 name) on TORCHFT_MANAGER_PORT (else a free port).
 
@@ -22,11 +23,13 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import torch
-from torch.distributed import ReduceOp
+import torch.distributed as dist
+from torch.distributed import ReduceOp, TCPStore
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from torchrun_ddp.checkpoint.heal import HealTransport
+from torchrun_ddp.checkpoint.ranks import collective_device
 from torchrun_ddp.sites.check import HealCheck
 from torchrun_ddp.sites.positions import gather_blobs, unpack
 from torchrun_ddp.sites.settings import SiteSettings
@@ -64,12 +67,13 @@ class SiteLink:
         the copy on the peers)."""
         self.timeout = timeout
         store = settings.address or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.store, port = attempt_store(settings.store_port, timeout)
         self.manager = Manager(
             pg=self.group, load_state_dict=self._load, state_dict=self._state,
             min_replica_size=1, use_async_quorum=True, timeout=timeout,
             quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
             connect_timeout=timeout, rank=rank, world_size=world_size, store_addr=store,
-            store_port=int(os.environ.get("MASTER_PORT", "0")) or None,
+            store_port=port,
             lighthouse_addr=settings.lighthouse or None, replica_id=settings.replica_id,
             hostname=settings.address or socket.gethostname(),
             heartbeat_interval=timedelta(milliseconds=settings.heartbeat_ms),
@@ -137,3 +141,20 @@ class SiteLink:
     def close(self) -> None:
         """Stop the Manager's server and threads (the lighthouse then times this site out)."""
         self.manager.shutdown(wait=False)
+
+
+def attempt_store(port: int, timeout: timedelta) -> tuple[TCPStore | None, int]:
+    """Collective over the site's ranks (the default group): a store for their torchft
+    Managers that no earlier attempt of the site used, and its port. Rank 0 hosts it on
+    ``port`` (0: a free one; the old attempt's store died with its process) and broadcasts the
+    port; the others get ``(None, port)``. torchft's Managers file rank 0's server address in
+    the store they are given under a fixed key; in torchrun's store, which outlives a restart,
+    a rank of a restarted site could read the dead attempt's address before rank 0 files the
+    new one, and fail to connect."""
+    server = None
+    found = torch.zeros(1, dtype=torch.int64, device=collective_device())
+    if dist.get_rank() == 0:
+        server = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timeout)
+        found.fill_(server.port)
+    dist.broadcast(found, src=0)
+    return server, int(found.item())

@@ -19,6 +19,7 @@ SITE_FLAGS = (
     "sites",
     "lighthouse",
     "site_address",
+    "site_store_port",
     "quorum_timeout_s",
     "quorum_retries",
     "site_timeout_s",
@@ -41,6 +42,8 @@ class SiteSettings:
     """The lighthouse's URL, ``http://host:port`` ("" : torchft reads TORCHFT_LIGHTHOUSE)."""
     address: str
     """The host advertised for this site's store and manager ("" : MASTER_ADDR, host name)."""
+    store_port: int
+    """The port of the site's store for its Managers (0: a free one)."""
     quorum_timeout_s: int
     """Seconds a quorum may take, lighthouse retries included."""
     quorum_retries: int
@@ -72,6 +75,7 @@ def site_settings(config: TrainConfig) -> SiteSettings:
         sites=config.sites,
         lighthouse=lighthouse_url(config.lighthouse),
         address=config.site_address,
+        store_port=config.site_store_port,
         quorum_timeout_s=config.quorum_timeout_s or train,
         quorum_retries=config.quorum_retries,
         timeout_s=config.site_timeout_s or train,
