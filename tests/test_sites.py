@@ -186,20 +186,24 @@ def _site(
     log: Path,
     env: dict[str, str] | None = None,
     ranks: int = 1,
+    restarts: int = 0,
+    extra: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """Site ``site``: its own torchrun job of ``ranks`` ranks (forked; as many restarts as
-    ``env`` injects faults), own folders ``base/site-<n>`` and ``base/out-<n>``; ``env``:
-    variables added to its environment. Its quorum timeout (--train-timeout-s, 90 s) outlasts
-    the lighthouse's join timeout (30 s): a site that starts late, while the other waits at a
-    hold, gets a quorum of itself instead of timing out."""
+    ``env`` injects faults, else ``restarts``), flags ``extra`` added, own folders
+    ``base/site-<n>`` and ``base/out-<n>``; ``env``: variables added to its environment. Its
+    quorum timeout (--train-timeout-s, 90 s) outlasts the lighthouse's join timeout (30 s): a
+    site that starts late, while the other waits at a hold, gets a quorum of itself instead of
+    timing out."""
     args = folder_args(
         base, f"site-{site}", steps, *DILOCO, "--output-dir", str(base / f"out-{site}"),
-        *_sites_flags(site, lighthouse, "--train-timeout-s", "90"),
+        *_sites_flags(site, lighthouse, "--train-timeout-s", "90", *extra),
     )  # fmt: skip
     faults = (env or {}).get("TORCHRUN_DDP_FAULT", "")
-    restarts = (f"--max-restarts={len(faults.split(','))}",) if faults else ()
+    restarts = len(faults.split(",")) if faults else restarts
     return subprocess.Popen(
-        torchrun_command(args, ranks, forked=True, extra=restarts), cwd=REPO,
+        torchrun_command(args, ranks, forked=True, extra=(f"--max-restarts={restarts}",)),
+        cwd=REPO,
         env={**subprocess_env(), **(env or {})}, stdout=log.open("a"), stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
@@ -422,6 +426,49 @@ def test_a_lighthouse_outage_shorter_than_the_quorum_timeout_costs_a_stall_not_t
     stall = max(r["step_time_s"] for r in metrics_records(tmp_path / "out-0") if "loss" in r)
     print(f"lighthouse outage of 8 s: site 0's longest step {stall:.1f} s")  # pytest -s
     assert stall > 5  # the outage stalled a sync
+    want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
+    for name, tensor in want.items():
+        assert torch.equal(have[name], tensor), name
+
+
+@pytest.mark.slow
+def test_a_lighthouse_down_past_the_quorum_timeout_stops_the_sites_and_torchrun_resumes_them(
+    tmp_path: Path,
+) -> None:
+    """With --quorum-timeout-s 5, the lighthouse killed once both sites trained to step 4:
+    every site's next quorum fails after 5 s, its rank stops with one line naming the timeout,
+    and torchrun restarts the site (one restart each, for the one fault). The lighthouse is
+    started again once both have stopped; the new attempts resume their checkpoints, join, and
+    the run ends with equal replicas, every step logged."""
+    steps, hold, port = 16, tmp_path / "hold", free_port()
+    logs = [tmp_path / f"site-{site}.log" for site in range(2)]
+    house = _lighthouse(port, 2, tmp_path / "lighthouse.log")
+    paced = {**hook_env(perturb="hold:12"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
+    short = ("--quorum-timeout-s", "5")
+    procs: list[subprocess.Popen] = []
+    try:
+        _wait_for(lambda: _listening(port), "the lighthouse", timeout=30)
+        procs = [
+            _site(tmp_path, site, steps, f"127.0.0.1:{port}", logs[site], paced, 1, 1, short)
+            for site in range(2)
+        ]  # fmt: skip
+        _wait_for(lambda: _both_trained(tmp_path, 4), "both sites at step 4", 300)
+        house.kill()
+        house.wait(timeout=30)
+        stopped = "sites: no quorum within --quorum-timeout-s 5 s"
+        _wait_for(lambda: all(stopped in log.read_text() for log in logs), "both stopped", 120)
+        house = _lighthouse(port, 2, tmp_path / "lighthouse-again.log")
+        hold.touch()
+        _wait_all(procs, logs)
+    finally:
+        house.kill()
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    for site in range(2):
+        text = logs[site].read_text()
+        assert "attempt 2" in text and "resumed from" in text, text[-3000:]
+        assert max(logged_losses(tmp_path / f"out-{site}")) == steps
     want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
     for name, tensor in want.items():
         assert torch.equal(have[name], tensor), name

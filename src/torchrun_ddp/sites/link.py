@@ -66,6 +66,13 @@ class SiteLink:
         """Site -> its rank's packed data position at its last committed sync (``positions``:
         the copy on the peers)."""
         self.timeout = timeout
+        self._no_quorum = (
+            f"sites: no quorum within --quorum-timeout-s {settings.quorum_timeout_s} s: the "
+            f"lighthouse ({settings.lighthouse or 'TORCHFT_LIGHTHOUSE'}) was down longer than "
+            "that, or fewer sites than its --min_replicas are up; this site stops with its "
+            "checkpoints kept (torchrun restarts it where MAX_RESTARTS allows: it resumes them "
+            "and joins once the lighthouse answers)"
+        )
         store = settings.address or os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.store, port = attempt_store(settings.store_port, timeout)
         self.manager = Manager(
@@ -108,7 +115,10 @@ class SiteLink:
         the quorum cannot be formed within the quorum timeout (the lighthouse unreachable past
         its retries)."""
         self.manager.start_quorum()
-        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+        try:
+            work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+        except TimeoutError as exc:
+            raise RuntimeError(self._no_quorum) from exc
         work.wait()
         self.participants = self.manager.num_participants()
         gathered = self._gather()
