@@ -189,8 +189,8 @@ def _site(
     restarts: int = 0,
     extra: tuple[str, ...] = (),
 ) -> subprocess.Popen:
-    """Site ``site``: its own torchrun job of ``ranks`` ranks (forked; as many restarts as
-    ``env`` injects faults, else ``restarts``), flags ``extra`` added, own folders
+    """Site ``site``: its own torchrun job of ``ranks`` ranks (forked; ``restarts``: torchrun's
+    --max-restarts, one per fault the test injects), flags ``extra`` added, own folders
     ``base/site-<n>`` and ``base/out-<n>``; ``env``: variables added to its environment. Its
     quorum timeout (--train-timeout-s, 90 s) outlasts the lighthouse's join timeout (30 s): a
     site that starts late, while the other waits at a hold, gets a quorum of itself instead of
@@ -199,8 +199,6 @@ def _site(
         base, f"site-{site}", steps, *DILOCO, "--output-dir", str(base / f"out-{site}"),
         *_sites_flags(site, lighthouse, "--train-timeout-s", "90", *extra),
     )  # fmt: skip
-    faults = (env or {}).get("TORCHRUN_DDP_FAULT", "")
-    restarts = len(faults.split(",")) if faults else restarts
     return subprocess.Popen(
         torchrun_command(args, ranks, forked=True, extra=(f"--max-restarts={restarts}",)),
         cwd=REPO,
@@ -240,6 +238,59 @@ def _run_sites(
         for proc in procs:
             if proc.poll() is None:
                 _kill_tree(proc)
+
+
+def _assert_equal_replicas(base: Path) -> None:
+    """The two sites' final models are bit-identical."""
+    want, have = final_weights(base / "out-0"), final_weights(base / "out-1")
+    assert have.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(have[name], tensor), name
+
+
+class Lighthouse:
+    """A lighthouse (``min_replicas`` 2) on one loopback port that a test kills and starts
+    again; each start logs to ``base/lighthouse-<n>.log``."""
+
+    def __init__(self, base: Path) -> None:
+        self.base, self.port, self.starts = base, free_port(), 0
+        self.proc = self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> subprocess.Popen[bytes]:
+        self.proc = _lighthouse(self.port, 2, self.base / f"lighthouse-{self.starts}.log")
+        self.starts += 1
+        _wait_for(lambda: _listening(self.port), "the lighthouse", timeout=30)
+        return self.proc
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def outage(tmp_path: Path) -> Iterator[Lighthouse]:
+    """A ``Lighthouse`` for an outage test, killed at the end."""
+    house = Lighthouse(tmp_path)
+    try:
+        yield house
+    finally:
+        house.kill()
+
+
+def _paced_sites(
+    base: Path, lighthouse: str, *extra: str, restarts: int = 0
+) -> list[subprocess.Popen]:
+    """Both sites of 1 rank for 16 steps, ``extra`` flags added, held before step 12 until
+    ``base/hold`` exists (the run outlasts the test's outage)."""
+    paced = {**hook_env(perturb="hold:12"), "TORCHRUN_DDP_HOLD_FILE": str(base / "hold")}
+    return [
+        _site(base, site, 16, lighthouse, base / f"site-{site}.log", paced, 1, restarts, extra)
+        for site in range(2)
+    ]
 
 
 @pytest.mark.slow
@@ -338,9 +389,7 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
         assert "sites: replicas agree after the heal (sites [0, 1]" in log, log[-3000:]
     trained = sorted(step for step in logged_losses(tmp_path / "out-0") if step >= killed[1])
     assert trained == list(range(max(killed[1], 1), steps + 1))  # every step, none lost
-    want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
-    for name, tensor in want.items():
-        assert torch.equal(have[name], tensor), name
+    _assert_equal_replicas(tmp_path)
 
 
 @pytest.mark.slow
@@ -356,7 +405,7 @@ def test_a_site_of_two_ranks_restarted_by_torchrun_resumes_heals_and_rejoins(
     steps, logs = 12, [tmp_path / f"site-{site}.log" for site in range(2)]
     envs = [subprocess_env(), hook_env(faults="step:1:7")]
     procs = [
-        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], ranks=2)
+        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], ranks=2, restarts=site)
         for site in range(2)
     ]
     try:
@@ -380,98 +429,73 @@ def test_a_site_of_two_ranks_restarted_by_torchrun_resumes_heals_and_rejoins(
     for log in (site0, again):
         assert "sites: replicas agree after the heal (sites [0, 1]" in log, log[-3000:]
     assert_logged_once(tmp_path / "out-0", steps)
-    want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
-    for name, tensor in want.items():
-        assert torch.equal(have[name], tensor), name
+    _assert_equal_replicas(tmp_path)
 
 
 @pytest.mark.slow
 def test_a_lighthouse_outage_shorter_than_the_quorum_timeout_costs_a_stall_not_the_run(
-    tmp_path: Path,
+    tmp_path: Path, outage: Lighthouse
 ) -> None:
     """The lighthouse is killed once both sites trained to step 4 and started again on its port
     8 s later (it keeps nothing: the sites register again by their heartbeats). The sites wait
     at their next sync, their quorum call retried (--quorum-retries) within --quorum-timeout-s
     (90 s here), then train on with the same processes: every step logged once, no restart,
     equal final replicas. ``hold:12`` keeps the run going until the lighthouse is back."""
-    steps, hold, port = 16, tmp_path / "hold", free_port()
     logs = [tmp_path / f"site-{site}.log" for site in range(2)]
-    house = _lighthouse(port, 2, tmp_path / "lighthouse.log")
-    paced = {**hook_env(perturb="hold:12"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
-    procs: list[subprocess.Popen] = []
+    procs = _paced_sites(tmp_path, outage.address)
     try:
-        _wait_for(lambda: _listening(port), "the lighthouse", timeout=30)
-        address = f"127.0.0.1:{port}"
-        procs = [_site(tmp_path, site, steps, address, logs[site], paced) for site in range(2)]
         _wait_for(lambda: _both_trained(tmp_path, 4), "both sites at step 4", 300)
         workers = [worker_pids(proc.pid) for proc in procs]
-        house.kill()
-        house.wait(timeout=30)
+        outage.kill()
         down = max(logged_losses(tmp_path / "out-0"))
         time.sleep(8)
         assert max(logged_losses(tmp_path / "out-0")) <= down + 2  # stopped at its next sync
-        house = _lighthouse(port, 2, tmp_path / "lighthouse-again.log")
+        outage.start()
         _wait_for(lambda: _both_trained(tmp_path, min(down + 3, 11)), "a sync after it", 120)
         assert workers == [worker_pids(proc.pid) for proc in procs]  # the same processes
-        hold.touch()
+        (tmp_path / "hold").touch()
         _wait_all(procs, logs)
     finally:
-        house.kill()
         for proc in procs:
             if proc.poll() is None:
                 _kill_tree(proc)
     for site in range(2):
-        assert_logged_once(tmp_path / f"out-{site}", steps)
+        assert_logged_once(tmp_path / f"out-{site}", 16)
         assert "attempt 2" not in logs[site].read_text()
     stall = max(r["step_time_s"] for r in metrics_records(tmp_path / "out-0") if "loss" in r)
     print(f"lighthouse outage of 8 s: site 0's longest step {stall:.1f} s")  # pytest -s
     assert stall > 5  # the outage stalled a sync
-    want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
-    for name, tensor in want.items():
-        assert torch.equal(have[name], tensor), name
+    _assert_equal_replicas(tmp_path)
 
 
 @pytest.mark.slow
 def test_a_lighthouse_down_past_the_quorum_timeout_stops_the_sites_and_torchrun_resumes_them(
-    tmp_path: Path,
+    tmp_path: Path, outage: Lighthouse
 ) -> None:
     """With --quorum-timeout-s 5, the lighthouse killed once both sites trained to step 4:
     every site's next quorum fails after 5 s, its rank stops with one line naming the timeout,
     and torchrun restarts the site (one restart each, for the one fault). The lighthouse is
     started again once both have stopped; the new attempts resume their checkpoints, join, and
     the run ends with equal replicas, every step logged."""
-    steps, hold, port = 16, tmp_path / "hold", free_port()
     logs = [tmp_path / f"site-{site}.log" for site in range(2)]
-    house = _lighthouse(port, 2, tmp_path / "lighthouse.log")
-    paced = {**hook_env(perturb="hold:12"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
-    short = ("--quorum-timeout-s", "5")
-    procs: list[subprocess.Popen] = []
+    procs = _paced_sites(tmp_path, outage.address, "--quorum-timeout-s", "5", restarts=1)
     try:
-        _wait_for(lambda: _listening(port), "the lighthouse", timeout=30)
-        procs = [
-            _site(tmp_path, site, steps, f"127.0.0.1:{port}", logs[site], paced, 1, 1, short)
-            for site in range(2)
-        ]  # fmt: skip
         _wait_for(lambda: _both_trained(tmp_path, 4), "both sites at step 4", 300)
-        house.kill()
-        house.wait(timeout=30)
+        outage.kill()
         stopped = "sites: no quorum within --quorum-timeout-s 5 s"
         _wait_for(lambda: all(stopped in log.read_text() for log in logs), "both stopped", 120)
-        house = _lighthouse(port, 2, tmp_path / "lighthouse-again.log")
-        hold.touch()
+        outage.start()
+        (tmp_path / "hold").touch()
         _wait_all(procs, logs)
     finally:
-        house.kill()
         for proc in procs:
             if proc.poll() is None:
                 _kill_tree(proc)
     for site in range(2):
         text = logs[site].read_text()
         assert "attempt 2" in text and "resumed from" in text, text[-3000:]
-        assert max(logged_losses(tmp_path / f"out-{site}")) == steps
-    want, have = final_weights(tmp_path / "out-0"), final_weights(tmp_path / "out-1")
-    for name, tensor in want.items():
-        assert torch.equal(have[name], tensor), name
+        assert max(logged_losses(tmp_path / f"out-{site}")) == 16
+    _assert_equal_replicas(tmp_path)
 
 
 def test_the_plan_shows_a_sites_healing_transfer() -> None:
