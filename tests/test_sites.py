@@ -47,6 +47,8 @@ from torchrun_ddp.sites.positions import Shared, pack, read_position, unpack, wr
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
+SPARSELOCO = ("--optimizer", "sparseloco")
+"""Given after DILOCO: the later --optimizer wins, the sync every other step stays."""
 """Short windows: a sync every other step, so a kill lands near one."""
 
 
@@ -72,6 +74,11 @@ def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
         (
             ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--overlap-exchange"],
             "without --overlap-exchange",
+        ),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, *SPARSELOCO,
+             "--compression-scope", "inter-node"],
+            "sparseloco syncs across sites with --compression-scope global",
         ),
         (
             ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--data-parallel", "hsdp"],
@@ -227,11 +234,12 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 
 
 
 def _run_sites(
-    base: Path, steps: int, lighthouse: str, env: dict[str, str] | None = None
+    base: Path, steps: int, lighthouse: str, env: dict[str, str], method: tuple[str, ...]
 ) -> list[int]:
-    """Both sites' torchrun jobs until they end (``env`` added to both); their exit statuses."""
+    """Both sites' torchrun jobs until they end (``env`` added to both, ``method``'s flags
+    after DILOCO's); their exit statuses."""
     logs = [base / f"site-{site}.log" for site in range(2)]
-    procs = [_site(base, site, steps, lighthouse, logs[site], env) for site in range(2)]
+    procs = [_site(base, site, steps, lighthouse, logs[site], env, 1, 0, method) for site in (0, 1)]
     try:
         return [proc.wait(timeout=400) for proc in procs]
     finally:
@@ -294,26 +302,29 @@ def _paced_sites(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", [(), ("--optimizer", "muloco")], ids=["diloco", "muloco"])
 def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_both_stop(
-    tmp_path: Path, lighthouse: str
+    tmp_path: Path, lighthouse: str, method: tuple[str, ...]
 ) -> None:
-    """Both sites SIGKILL themselves in step 7 (after their checkpoint and committed sync of
+    """DiLoCo, and MuLoCo (SparseLoCo's exchange, a gather across sites, with DiLoCo's outer
+    momentum). Both sites SIGKILL themselves in step 7 (after their checkpoint and committed sync of
     step 6; torchrun does not restart them), so the whole run stops; started again, each site
     resumes its own checkpoint of step 6 (no heal: both at the same step) and the run ends as
     one uninterrupted torchrun job of their two ranks ends: the same loss at every step and
     bit-identical final weights."""
     steps, logs = 8, [tmp_path / f"site-{site}.log" for site in range(2)]
-    stopped = _run_sites(tmp_path, steps, lighthouse, hook_env(faults="step:0:7"))
+    stopped = _run_sites(tmp_path, steps, lighthouse, hook_env(faults="step:0:7"), method)
     assert all(status != 0 for status in stopped), stopped
     assert max(logged_losses(tmp_path / "out-0")) == 6
     sizes = [len(log.read_text()) for log in logs]
-    assert _run_sites(tmp_path, steps, lighthouse) == [0, 0], logs[0].read_text()[-4000:]
+    status = _run_sites(tmp_path, steps, lighthouse, subprocess_env(), method)
+    assert status == [0, 0], logs[0].read_text()[-4000:]
     for log, size in zip(logs, sizes, strict=True):
         again = log.read_text()[size:]
         assert "at step 6" in again and "resumed from" in again, again[-4000:]
         assert "sites: healed" not in again, again[-4000:]
     one_job = folder_args(
-        tmp_path, "one-job", steps, *DILOCO, "--output-dir", str(tmp_path / "one-job-out")
+        tmp_path, "one-job", steps, *DILOCO, *method, "--output-dir", str(tmp_path / "one-job-out")
     )
     done = subprocess.run(
         torchrun_command(one_job, 2, forked=True), cwd=REPO, env=subprocess_env(),
@@ -405,7 +416,7 @@ def test_a_site_of_two_ranks_restarted_by_torchrun_resumes_heals_and_rejoins(
     steps, logs = 12, [tmp_path / f"site-{site}.log" for site in range(2)]
     envs = [subprocess_env(), hook_env(faults="step:1:7")]
     procs = [
-        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], ranks=2, restarts=site)
+        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], 2, site, SPARSELOCO)
         for site in range(2)
     ]
     try:

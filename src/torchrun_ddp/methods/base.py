@@ -135,7 +135,10 @@ class Method:
     def site_problem(cls, config: TrainConfig) -> str:
         """Why this method cannot exchange across fault-tolerant sites with ``config``
         (``--fault-tolerance sites``), as a clause naming the fix; "" when it can."""
-        return f"--optimizer {cls.name} does not exchange across sites yet; use --optimizer diloco"
+        return (
+            f"--optimizer {cls.name} does not exchange across sites yet; use --optimizer diloco, "
+            "sparseloco or muloco"
+        )
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:

@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import math
 
-import torch
-import torch.distributed as dist
-from torch.optim import Optimizer
-
-from torchrun_ddp.compression import CompressionState, diloco_payload_bytes
+from torchrun_ddp.compression import diloco_payload_bytes
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.methods.base import FP32, CheckpointBytes, MemoryRow, PlanSizes
 from torchrun_ddp.methods.local_updates import LocalUpdatesMethod
 from torchrun_ddp.optim import PSEUDO_GRADIENT_DTYPES, DiLoCo, LocalUpdateSettings
-from torchrun_ddp.sites import site_settings
 
 
 class DiLoCoMethod(LocalUpdatesMethod):
@@ -40,22 +35,6 @@ class DiLoCoMethod(LocalUpdatesMethod):
         if config.overlap_exchange:
             return "DiLoCo syncs across sites without --overlap-exchange for now; drop it"
         return ""
-
-    def build_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
-        """``LocalUpdatesMethod.build_optimizer``; under --fault-tolerance sites a
-        ``sites.SiteDiLoCo`` whose sync spans the live sites (its torchft Manager made here)."""
-        if self.config.fault_tolerance != "sites":
-            return super().build_optimizer(model, compression)
-        # torchft (about 3 s of imports) only for runs across sites
-        from torchrun_ddp.sites.diloco import SiteDiLoCo  # noqa: PLC0415
-        from torchrun_ddp.sites.link import SiteLink  # noqa: PLC0415
-
-        self.optimizer_class = SiteDiLoCo
-        optimizer = super().build_optimizer(model, compression)
-        assert isinstance(optimizer, SiteDiLoCo)
-        settings = site_settings(self.config)
-        optimizer.link = SiteLink(settings, dist.get_rank(), dist.get_world_size())
-        return optimizer
 
     @classmethod
     def describe_exchange(cls, settings: LocalUpdateSettings) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -39,6 +40,7 @@ from torchrun_ddp.plan.communication import (
     local_update_estimates,
 )
 from torchrun_ddp.plan.settings import Footprint
+from torchrun_ddp.sites import site_settings
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -163,10 +165,33 @@ class LocalUpdatesMethod(ExchangingMethod):
         builds the outer optimizer with ``outer_optimizer``."""
         log.info("local updates: %s", self.describe())
         group = self.exchange_group(compression) or compression.process_group
-        return self.optimizer_class(
+        built = self.optimizer_class
+        if self.config.fault_tolerance == "sites":
+            built = self._site_class()
+        optimizer = built(
             self.inner_optimizer(model), self.settings, group, compression.count,
             compression.node_groups, outer=self.outer_optimizer(),
         )  # fmt: skip
+        if self.config.fault_tolerance == "sites":
+            self._link(optimizer)
+        return optimizer
+
+    def _site_class(self) -> type[LocalUpdates]:
+        """The optimizer class whose sync spans the live sites (``sites.sync``; imports
+        torchft, about 3 s, so only for runs across sites)."""
+        from torchrun_ddp.sites.sync import site_optimizer_class  # noqa: PLC0415
+
+        return site_optimizer_class(self.optimizer_class)
+
+    def _link(self, optimizer: LocalUpdates) -> None:
+        """Give ``optimizer`` (a ``sites.SiteSync``) its torchft Manager (``sites.SiteLink``)."""
+        from torchrun_ddp.sites.link import SiteLink  # noqa: PLC0415
+        from torchrun_ddp.sites.sync import SiteSync  # noqa: PLC0415
+
+        assert isinstance(optimizer, SiteSync)
+        optimizer.link = SiteLink(
+            site_settings(self.config), dist.get_rank(), dist.get_world_size()
+        )
 
     def inner_optimizer(self, model: torch.nn.Module) -> Optimizer:
         """AdamW over the model's two parameter groups (``optim.build_optimizer``)."""

@@ -69,6 +69,15 @@ class SparseLoCoMethod(LocalUpdatesMethod):
     )
 
     @classmethod
+    def site_problem(cls, config: TrainConfig) -> str:
+        """SparseLoCo (and MuLoCo) sync across sites at once, with a flat exchange."""
+        if config.overlap_exchange:
+            return f"{cls.name} syncs across sites without --overlap-exchange for now; drop it"
+        if config.compression_scope != "global":
+            return f"{cls.name} syncs across sites with --compression-scope global; drop it"
+        return ""
+
+    @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
         """SparseLoCo's flags: the preset only with this method, the ranges whatever
         --optimizer is."""

@@ -2,7 +2,7 @@
 
 ``join_sites`` runs before the first step of a ``--fault-tolerance sites`` run: it tells the
 site's ``SiteLink`` what to send a healing peer (``heal_state``) and how to take a peer's state
-(``take_heal_state``), then joins (``SiteDiLoCo.join``). What a healing site takes: the synced
+(``take_heal_state``), then joins (``SiteSync.join``). What a healing site takes: the synced
 parameters and the outer momentum (``SyncedState``), the step and the tokens trained; the
 learning-rate schedule is stepped on to that step. Its inner optimizer state stays its own (its
 checkpoint's, or the start's), and its data position is its own at its last committed sync
@@ -23,20 +23,20 @@ from torchrun_ddp.build import Trainer
 from torchrun_ddp.checkpoint.replicas import state_digest
 from torchrun_ddp.inputs import checkpoint_root
 from torchrun_ddp.optim import SyncedState
-from torchrun_ddp.sites.diloco import SiteDiLoCo
 from torchrun_ddp.sites.link import HealState
 from torchrun_ddp.sites.positions import pack, read_position, unpack, write_position
+from torchrun_ddp.sites.sync import SiteSync
 
 log = logging.getLogger("torchrun_ddp")
 
 
-def site_optimizer(trainer: Trainer) -> SiteDiLoCo | None:
-    """The run's ``SiteDiLoCo`` under ``--fault-tolerance sites``, else None."""
+def site_optimizer(trainer: Trainer) -> SiteSync | None:
+    """The run's ``SiteSync`` under ``--fault-tolerance sites``, else None."""
     optimizer = trainer.optimizer
-    return optimizer if isinstance(optimizer, SiteDiLoCo) else None
+    return optimizer if isinstance(optimizer, SiteSync) else None
 
 
-def heal_state(trainer: Trainer, optimizer: SiteDiLoCo, in_step: bool) -> HealState:
+def heal_state(trainer: Trainer, optimizer: SiteSync, in_step: bool) -> HealState:
     """This site's state for a healing peer, taken at a sync: the synced parameters and outer
     momentum (fp32, the parameters' shapes), the step the sync completes (``in_step``: the sync
     runs inside an optimizer step, which counts) and the tokens trained over all ranks."""
@@ -49,9 +49,7 @@ def heal_state(trainer: Trainer, optimizer: SiteDiLoCo, in_step: bool) -> HealSt
     }
 
 
-def take_heal_state(
-    trainer: Trainer, optimizer: SiteDiLoCo, state: HealState, in_step: bool
-) -> None:
+def take_heal_state(trainer: Trainer, optimizer: SiteSync, state: HealState, in_step: bool) -> None:
     """Load a live peer's ``heal_state``: the outer state, the step, the tokens trained, and
     the schedule stepped on to the step (``in_step``: the sync runs inside an optimizer step,
     which the loop then counts and schedules). Raises ValueError for a state of another
@@ -71,7 +69,7 @@ def take_heal_state(
 def join_sites(trainer: Trainer) -> None:
     """Collective over the live sites under ``--fault-tolerance sites`` (nothing otherwise):
     register this site's healing state and its data position's record after each committed
-    sync (``positions``), and join (``SiteDiLoCo.join``). A site that healed goes on from its
+    sync (``positions``), and join (``SiteSync.join``). A site that healed goes on from its
     own data position at its last committed sync (``take_own_position``)."""
     optimizer = site_optimizer(trainer)
     if optimizer is None or optimizer.link is None:

@@ -57,11 +57,12 @@ class SiteLink:
         self._send: Callable[[], HealState] = dict
         self._take: Callable[[HealState], None] = lambda state: None
         self.after_commit: Callable[[], None] = lambda: None
-        """Called after every committed sync but a site's join (``SiteDiLoCo``)."""
+        """Called after every committed sync but a site's join (``sites.sync``)."""
         self.share: Callable[[str], torch.Tensor] = lambda digest: torch.zeros(0, dtype=torch.uint8)
         """This rank's packed data position, with the given digest, to share at a sync
         (``positions.pack``; empty: none, as in a site's join)."""
         self.check = HealCheck(settings.site_id)
+        self.site = settings.site_id
         self.book: dict[int, torch.Tensor] = {}
         """Site -> its rank's packed data position at its last committed sync (``positions``:
         the copy on the peers)."""
@@ -114,14 +115,36 @@ class SiteLink:
         site commits the sync; ``participants`` is the sites summed. Raises RuntimeError when
         the quorum cannot be formed within the quorum timeout (the lighthouse unreachable past
         its retries)."""
-        self.manager.start_quorum()
-        try:
-            work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
-        except TimeoutError as exc:
-            raise RuntimeError(self._no_quorum) from exc
+        self._quorum()
+        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
         work.wait()
         self.participants = self.manager.num_participants()
-        gathered = self._gather()
+        return self._vote()
+
+    def gather(self, blob: Callable[[bool], torch.Tensor]) -> tuple[bool, list[torch.Tensor]]:
+        """Collective over the live sites: take the quorum, all-gather ``blob(participating)``
+        (uint8, any length; ``participating``: False while this site heals in this sync) from
+        the same rank of every live site, in the group's order, and vote. Returns whether every
+        rank of this site commits the sync, and the blobs (empty after an error). Raises
+        RuntimeError as ``average``."""
+        self._quorum()
+        mine = blob(self.manager.is_participating())
+        blobs = self._all_gather(mine)
+        self.participants = len(blobs)
+        return self._vote(), blobs
+
+    def _quorum(self) -> None:
+        """Start the quorum and wait for it (a heal's transfer included)."""
+        self.manager.start_quorum()
+        try:
+            self.manager.wait_quorum()
+        except TimeoutError as exc:
+            raise RuntimeError(self._no_quorum) from exc
+
+    def _vote(self) -> bool:
+        """Share the data positions (``_all_gather``), vote, and on a commit file the sites'
+        positions in the book; the replica check after a heal (``HealCheck``)."""
+        gathered = self._all_gather(self.share(self.check.due()))
         committed = self.manager.should_commit()
         shared = [unpack(blob) for blob in filter(torch.Tensor.numel, gathered)]
         if committed:
@@ -136,14 +159,13 @@ class SiteLink:
         self.check.settle(shared if committed else None)
         return committed
 
-    def _gather(self) -> list[torch.Tensor]:
-        """Every live site's packed data position (``share``) by an all-gather on the
-        Managers' group; [] after an error in this sync, which is reported to the Manager (the
-        vote then drops the sync)."""
+    def _all_gather(self, blob: torch.Tensor) -> list[torch.Tensor]:
+        """Every live site's ``blob`` by an all-gather on the Managers' group; [] after an error
+        in this sync, which is reported to the Manager (the vote then drops the sync)."""
         if self.manager.errored() is not None:
             return []
         try:
-            return gather_blobs(self.group, self.share(self.check.due()), self.timeout)
+            return gather_blobs(self.group, blob, self.timeout)
         except RuntimeError as exc:  # gloo's error for a site lost during the sync
             self.manager.report_error(exc)
             return []
