@@ -49,6 +49,8 @@ LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
 SPARSELOCO = ("--optimizer", "sparseloco")
 """Given after DILOCO: the later --optimizer wins, the sync every other step stays."""
+SHARDED = (*SPARSELOCO, "--data-parallel", "hsdp", "--shard-degree", "2")
+"""SparseLoCo with FSDP2 over a site's 2 ranks (one replica in the site)."""
 """Short windows: a sync every other step, so a kill lands near one."""
 
 
@@ -416,7 +418,7 @@ def test_a_site_of_two_ranks_restarted_by_torchrun_resumes_heals_and_rejoins(
     steps, logs = 12, [tmp_path / f"site-{site}.log" for site in range(2)]
     envs = [subprocess_env(), hook_env(faults="step:1:7")]
     procs = [
-        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], 2, site, SPARSELOCO)
+        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], 2, site, SHARDED)
         for site in range(2)
     ]
     try:

@@ -36,6 +36,7 @@ from torchft.checkpointing import CheckpointTransport
 
 from torchrun_ddp.checkpoint.codec import join_tree, split_tree, untied
 from torchrun_ddp.checkpoint.ranks import JsonObject, json_int, json_object, json_str
+from torchrun_ddp.parallel.shards import local_tensor
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -60,12 +61,12 @@ class Transfer:
 
 def encode(state: object, step: int) -> tuple[bytes, bytes]:
     """``(header, payload)`` of a state tree (nested dicts, lists and tuples of tensors and JSON
-    values): the payload is the tensors as one safetensors blob (on the CPU, contiguous), the
-    header UTF-8 JSON ``{"format", "step", "tree", "bytes", "sha256"}``. Raises TypeError for a
-    value neither a tensor nor JSON."""
+    values): the payload is the tensors (a DTensor: this rank's shard) as one safetensors blob
+    (on the CPU, contiguous), the header UTF-8 JSON ``{"format", "step", "tree", "bytes",
+    "sha256"}``. Raises TypeError for a value neither a tensor nor JSON."""
     tensors: dict[str, torch.Tensor] = {}
     tree = split_tree(state, "", tensors)
-    cpu = {key: value.cpu().contiguous() for key, value in untied(tensors).items()}
+    cpu = {key: local_tensor(value).cpu().contiguous() for key, value in untied(tensors).items()}
     payload = safetensors_bytes(cpu)
     header = {
         "format": FORMAT,

@@ -286,6 +286,7 @@ class HSDP(FSDP):
     name = "hsdp"
     flags = ("shard_degree",)
     replicate_dim = True
+    across_sites = True
     refusals = SHARDED_REFUSALS + HSDP_REFUSALS
     accepts_exchanging_methods = True
 

@@ -67,8 +67,9 @@ def check_modes(config: TrainConfig, given: frozenset[str] = frozenset()) -> Non
     mode.check_config(config, given)
     if config.fault_tolerance == "sites" and not mode.across_sites:
         raise UserError(
-            f"--fault-tolerance sites runs --data-parallel ddp inside each site for now, not "
-            f"{mode.name}; use --data-parallel ddp"
+            f"--fault-tolerance sites runs --data-parallel ddp or hsdp inside each site, not "
+            f"{mode.name}; use --data-parallel hsdp with --shard-degree of the site's ranks "
+            "to shard over the whole site"
         )
 
 
