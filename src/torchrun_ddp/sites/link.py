@@ -44,9 +44,10 @@ class SiteLink:
     """This rank's torchft Manager for ``settings``' site (module docstring); ``rank`` and
     ``world_size``: the rank's place in its site (torchrun's RANK and WORLD_SIZE).
 
-    Call ``register`` (what to send and how to take a peer's state) before the first
-    ``average``. ``healed`` is True once this rank took a peer's state; ``participants`` is the
-    number of sites whose values the last ``average`` summed."""
+    Call ``register`` (what to send and how to take a peer's state) before the first sync
+    (``average``: DiLoCo's sum; ``gather``: SparseLoCo's messages). ``healed`` is True once
+    this rank took a peer's state; ``participants`` is the number of sites whose values the
+    last sync summed or gathered; ``site``: this site's index."""
 
     def __init__(self, settings: SiteSettings, rank: int, world_size: int) -> None:
         timeout = timedelta(seconds=settings.timeout_s)
