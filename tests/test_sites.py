@@ -236,12 +236,19 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 
 
 
 def _run_sites(
-    base: Path, steps: int, lighthouse: str, env: dict[str, str], method: tuple[str, ...]
+    base: Path,
+    steps: int,
+    lighthouse: str,
+    env: dict[str, str],
+    method: tuple[str, ...],
+    ranks: int,
 ) -> list[int]:
-    """Both sites' torchrun jobs until they end (``env`` added to both, ``method``'s flags
-    after DILOCO's); their exit statuses."""
+    """Both sites' torchrun jobs of ``ranks`` ranks until they end (``env`` added to both,
+    ``method``'s flags after DILOCO's); their exit statuses."""
     logs = [base / f"site-{site}.log" for site in range(2)]
-    procs = [_site(base, site, steps, lighthouse, logs[site], env, 1, 0, method) for site in (0, 1)]
+    procs = [
+        _site(base, site, steps, lighthouse, logs[site], env, ranks, 0, method) for site in (0, 1)
+    ]
     try:
         return [proc.wait(timeout=400) for proc in procs]
     finally:
@@ -304,22 +311,27 @@ def _paced_sites(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [(), ("--optimizer", "muloco")], ids=["diloco", "muloco"])
+@pytest.mark.parametrize(
+    ("method", "ranks"),
+    [((), 1), (("--optimizer", "muloco"), 1), (SHARDED, 2)],
+    ids=["diloco", "muloco", "sparseloco-hsdp-2x2"],
+)
 def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_both_stop(
-    tmp_path: Path, lighthouse: str, method: tuple[str, ...]
+    tmp_path: Path, lighthouse: str, method: tuple[str, ...], ranks: int
 ) -> None:
-    """DiLoCo, and MuLoCo (SparseLoCo's exchange, a gather across sites, with DiLoCo's outer
-    momentum). Both sites SIGKILL themselves in step 7 (after their checkpoint and committed sync of
-    step 6; torchrun does not restart them), so the whole run stops; started again, each site
-    resumes its own checkpoint of step 6 (no heal: both at the same step) and the run ends as
-    one uninterrupted torchrun job of their two ranks ends: the same loss at every step and
-    bit-identical final weights."""
+    """DiLoCo; MuLoCo (SparseLoCo's exchange, a gather across sites, with DiLoCo's outer
+    momentum); SparseLoCo with FSDP2 over each site's 2 ranks, against one hsdp job of 4 (2
+    replicas of 2 shards). Both sites SIGKILL themselves in step 7 (after their checkpoint and
+    committed sync of step 6; torchrun does not restart them), so the whole run stops; started
+    again, each site resumes its own checkpoint of step 6 (no heal: both at the same step) and
+    the run ends as one uninterrupted torchrun job of all their ranks ends: the same loss at
+    every step and bit-identical final weights."""
     steps, logs = 8, [tmp_path / f"site-{site}.log" for site in range(2)]
-    stopped = _run_sites(tmp_path, steps, lighthouse, hook_env(faults="step:0:7"), method)
+    stopped = _run_sites(tmp_path, steps, lighthouse, hook_env(faults="step:0:7"), method, ranks)
     assert all(status != 0 for status in stopped), stopped
     assert max(logged_losses(tmp_path / "out-0")) == 6
     sizes = [len(log.read_text()) for log in logs]
-    status = _run_sites(tmp_path, steps, lighthouse, subprocess_env(), method)
+    status = _run_sites(tmp_path, steps, lighthouse, subprocess_env(), method, ranks)
     assert status == [0, 0], logs[0].read_text()[-4000:]
     for log, size in zip(logs, sizes, strict=True):
         again = log.read_text()[size:]
@@ -329,14 +341,14 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_bot
         tmp_path, "one-job", steps, *DILOCO, *method, "--output-dir", str(tmp_path / "one-job-out")
     )
     done = subprocess.run(
-        torchrun_command(one_job, 2, forked=True), cwd=REPO, env=subprocess_env(),
+        torchrun_command(one_job, 2 * ranks, forked=True), cwd=REPO, env=subprocess_env(),
         capture_output=True, text=True, timeout=400, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     expected = logged_losses(tmp_path / "one-job-out")
     sites = [logged_losses(tmp_path / f"out-{site}") for site in range(2)]
     assert sorted(expected) == list(range(1, steps + 1))
-    for step, loss in expected.items():  # each site logs its own rank's loss: their mean
+    for step, loss in expected.items():  # each site logs its ranks' mean loss: their mean
         assert (sites[0][step] + sites[1][step]) / 2 == pytest.approx(loss, rel=1e-6), step
     want = final_weights(tmp_path / "one-job-out")
     for site in range(2):
@@ -523,3 +535,9 @@ def test_the_plan_shows_a_sites_healing_transfer() -> None:
     assert gib == pytest.approx(8 * 8 * trained / 2**30, abs=0.01)
     assert seconds == pytest.approx(8 * 8 * trained / (10e9 / 8), rel=1e-3)
     assert "a site's healing" not in dry_run(parse_config(["--plan-world-size", "8"]), DistEnv())
+    # SparseLoCo under hsdp: the synced fp32 parameters only, each rank its 1/8 shard
+    flags = [*DILOCO, *SPARSELOCO, "--lighthouse", "h:1", "--data-parallel", "hsdp"]
+    plan = ["--plan-world-size", "8", "--plan-gpus-per-node", "8", "--shard-degree", "8"]
+    sharded = parse_config(["--fault-tolerance", "sites", "--sites", "2", *flags, *plan])
+    [row] = [line for line in dry_run(sharded, DistEnv()).splitlines() if "healing" in line]
+    assert float(row.strip(" |").split(" | ")[1]) == pytest.approx(trained * 4 / 2**30, abs=0.01)

@@ -265,8 +265,8 @@ def checkpoint_plan(
     optimizer = method.checkpoint_bytes(sizes)
     replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook
     sizes = checkpoint_sizes(config, plan.parameters, trained, replicated, per_rank)
-    heal = replicated if config.fault_tolerance == "sites" else 0  # what a live site sends
-    mode = run_mode(config, world)
+    mode = run_mode(config, world)  # a live site sends a healing rank its shard of the state
+    heal = replicated // mode.shape.shard if config.fault_tolerance == "sites" else 0
     if not mode.accepts_node_folders(config):
         return shared_checkpoint_table(sizes, world, mode.name)
     return checkpoint_table(sizes, config, world, per_node, heal)

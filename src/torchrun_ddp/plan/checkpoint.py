@@ -49,8 +49,8 @@ def checkpoint_table(
 ) -> str:
     """The per-node rows as a Markdown table (GiB, and seconds at --plan-inter-node-gbit);
     ``heal`` > 0 (``--fault-tolerance sites``): the bytes one rank of a healing site receives
-    from a live one (its synced fp32 parameters and outer momentum), a row for a node's ranks
-    sharing its link."""
+    from a live one (its synced fp32 parameters and outer momentum, or under hsdp its shard of
+    them), a row for a node's ranks sharing its link."""
     nodes = max(1, world // per_node)
     copies = min(config.buddy_copies, nodes - 1)
     link = config.plan_inter_node_gbit * 1e9 / 8  # bytes per second
