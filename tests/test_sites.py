@@ -1,12 +1,14 @@
 """Fault-tolerant sites (``--fault-tolerance sites``, on torchft): each site its own torchrun job,
-the sites meeting through a torchft lighthouse on loopback, DiLoCo's sync across them through
-the Managers' gloo process group.
+the sites meeting through a torchft lighthouse on loopback, the methods' syncs across them
+through the Managers' gloo process group.
 
-Fast: the flags' checks, and the healing transfer's format (safetensors + JSON + SHA-256) refusing
-what it must. Slow: two sites of one rank each train what one torchrun job of two ranks trains
-(the same losses and bit-identical final weights); then a site killed with SIGKILL while the
-other trains on without a restart, started again, healed from the live one, both ending with
-equal replicas."""
+Fast: the flags' checks, the healing transfer's format (safetensors + JSON + SHA-256) refusing
+what it must, a data position's record, the replica check after a heal, the plan's healing row.
+Slow (real processes): two sites train what one torchrun job of all their ranks trains, also
+after both stop and resume (DiLoCo, MuLoCo, SparseLoCo under hsdp: the same losses and
+bit-identical final weights); a site killed with SIGKILL and its disk wiped while the other
+trains on without a restart, started again and healed; a site of 2 ranks restarted by torchrun,
+healed; a lighthouse outage shorter and one longer than the quorum timeout."""
 
 from __future__ import annotations
 
