@@ -126,10 +126,10 @@ def recovery_s(records: list[Record], kill: float) -> float:
     return later[0] - kill if later else float("inf")
 
 
-def heals(lines: Iterable[Stamped]) -> list[tuple[float, float]]:
-    """(MiB, seconds) of every "healed from a live site" line."""
-    found = (HEAL_LINE.search(line) for _, line in lines)
-    return [(float(m.group(2)), float(m.group(3))) for m in found if m]
+def heals(lines: Iterable[Stamped]) -> list[tuple[float, tuple[float, float]]]:
+    """(when read, (MiB, seconds)) of every "healed from a live site" line."""
+    found = ((stamp, HEAL_LINE.search(line)) for stamp, line in lines)
+    return [(stamp, (float(m.group(2)), float(m.group(3)))) for stamp, m in found if m]
 
 
 def kill_offsets(duration_s: float, every_s: float, down_s: float) -> list[float]:
@@ -321,6 +321,16 @@ def torchrun(nnodes: int, port: int, extra: list[str], train: list[str]) -> list
     ]  # fmt: skip
 
 
+def pinned(args: argparse.Namespace, place: int, command: list[str]) -> list[str]:
+    """``command`` under ``taskset`` on one core of this process's, core ``place`` (modulo
+    their count), so that each site or node has a core of its own as on separate machines (a
+    site alone does not speed up on its peer's core); unchanged with ``--no-pin`` or one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not args.pin or len(cores) < 2:
+        return command
+    return ["taskset", "-c", str(cores[place % len(cores)]), *command]
+
+
 def site_command(args: argparse.Namespace, base: Path, site: int, lighthouse: int) -> list[str]:
     """Site ``site``'s own torchrun job (folders ``base/site-<n>``, ``base/out-<n>``)."""
     train = train_args(args, base / f"out-{site}", base / f"site-{site}")
@@ -328,7 +338,7 @@ def site_command(args: argparse.Namespace, base: Path, site: int, lighthouse: in
         "--fault-tolerance", "sites", "--sites", "2", "--site-id", str(site),
         "--lighthouse", f"127.0.0.1:{lighthouse}", "--site-address", "127.0.0.1",
     ]  # fmt: skip
-    return torchrun(1, free_port(), ["--max-restarts=0"], train)
+    return pinned(args, site, torchrun(1, free_port(), ["--max-restarts=0"], train))
 
 
 def lighthouse_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -349,7 +359,8 @@ def node_command(
         f"--max-restarts={kills}", "--rdzv-id=goodput",
         "--rdzv-conf=join_timeout=300,keep_alive_interval=1,keep_alive_max_attempt=3",
     ]  # fmt: skip
-    return torchrun(2, port, rdzv, train_args(args, base / "out", base / f"node-{node}"))
+    command = torchrun(2, port, rdzv, train_args(args, base / "out", base / f"node-{node}"))
+    return pinned(args, node, command)
 
 
 def wait_listening(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
@@ -473,18 +484,19 @@ def bandwidth_worker(sizes: list[int], repeats: int) -> None:
     dist.destroy_process_group()
 
 
-def measure_bandwidth(sizes: list[int], repeats: int) -> dict[int, float]:
+def measure_bandwidth(args: argparse.Namespace, sizes: list[int]) -> dict[int, float]:
     """Bytes -> the median loopback bandwidth in MB/s (10^6 bytes) of a gloo send/recv between
-    2 processes on 127.0.0.1. Raises RuntimeError if a worker fails."""
+    2 processes on 127.0.0.1 (on the sites' cores, see ``pinned``), ``--repeats`` times per
+    size. Raises RuntimeError if a worker fails."""
     port = free_port()
     command = [sys.executable, __file__, "--bandwidth-worker", ",".join(map(str, sizes))]
-    command += ["--repeats", str(repeats)]
+    command += ["--repeats", str(args.repeats)]
     procs = []
     for rank in (0, 1):
         rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
         procs.append(
             subprocess.Popen(
-                command,
+                pinned(args, rank, command),
                 env={**env(), **rank_env, "WORLD_SIZE": "2"},
                 stdout=subprocess.PIPE,
                 text=True,
@@ -503,19 +515,21 @@ def measure_bandwidth(sizes: list[int], repeats: int) -> dict[int, float]:
 
 def goodput_rows(results: list[ArmResult], round_: int) -> list[list[str]]:
     """One row per arm of a round: duration, kills, newest step, site 0's steps/s and its ratio
-    to the round's ``none`` arm, both sites' step records per second and their ratio."""
-    base = next((r for r in results if r.arm == "none"), None)
-    reference = goodput(base.records, base.start, base.end) if base else float("nan")
-    both_reference = _both_rate(base) if base else float("nan")
+    to the round's ``none`` and ``today`` arms, both sites' step records per second and their
+    ratio to the ``none`` arm's, whether site 0 restarted."""
+    rates = {r.arm: goodput(r.records, r.start, r.end) for r in results}
+    both = {r.arm: _both_rate(r) for r in results}
+    nan = float("nan")
     rows = []
     for result in results:
-        rate, both = goodput(result.records, result.start, result.end), _both_rate(result)
+        rate = rates[result.arm]
         restarted = "-" if result.arm != "sites" else _restarted(result)
         rows.append([
             ARM_LABELS[result.arm], str(round_), f"{result.end - result.start:.0f}",
             str(len(result.kills)), str(newest_step(result.records, result.end)),
-            f"{rate:.2f}", f"{rate / reference:.0%}", f"{both:.2f}", f"{both / both_reference:.0%}",
-            restarted,
+            f"{rate:.2f}", f"{rate / rates.get('none', nan):.0%}",
+            f"{rate / rates.get('today', nan):.0%}", f"{both[result.arm]:.2f}",
+            f"{both[result.arm] / both.get('none', nan):.0%}", restarted,
         ])  # fmt: skip
     return rows
 
@@ -545,7 +559,7 @@ def fault_rows(result: ArmResult, round_: int) -> list[list[str]]:
     step records after the restart, until the next kill, less the median gap), syncs not
     committed, and when site 1 logged a step again after its restart."""
     records, normal = result.records, normal_step_s(result.records)
-    ends = [*result.kills[1:], result.end]
+    ends = [*result.kills[1:], result.end][: len(result.kills)]
     rows, faults = [], zip(result.kills, result.restarts, ends, strict=True)
     for number, (kill, restart, until) in enumerate(faults):
         seen = [record for record in records if record[0] <= until]
@@ -558,24 +572,25 @@ def fault_rows(result: ArmResult, round_: int) -> list[list[str]]:
         stalls = (longest_gap(records, kill, restart), longest_gap(returned, restart, until))
         failed = sum(NOT_COMMITTED in line for _, line in between(result.lines, kill, until))
         back = [stamp for stamp, _ in step_records(result.returning) if restart < stamp <= until]
-        again = f"{back[0] - restart:.1f}" if back else "not before the next kill"
+        again = f"{back[0] - restart:.1f}" if back else "not by the next kill or the end"
         cells = [f"{max(0.0, stall - normal):.1f}" for stall in stalls]
         rows.append([*row, *cells, str(failed), again])
     return rows
 
 
 def heal_rows(result: ArmResult, round_: int, bandwidth: dict[int, float]) -> list[list[str]]:
-    """One row per heal of site 1: MiB and seconds from its log line, the seconds its bytes take
-    at the largest measured size's bandwidth and at the nearest size's, and the ratios."""
+    """One row per heal of site 1 (its start's join included): when, MiB and seconds from its
+    log line, the seconds its bytes take at the largest measured size's bandwidth and at the
+    nearest size's, and the ratios."""
     largest = bandwidth[max(bandwidth)]
     rows = []
-    for number, (mib, seconds) in enumerate(heals(result.returning)):
+    for stamp, (mib, seconds) in heals(result.returning):
         size = mib * 2**20
         nearest = bandwidth[min(bandwidth, key=lambda b: abs(b - size))]
         expected = [size / (rate * 1e6) for rate in (largest, nearest)]
         rows.append([
-            str(round_), str(number + 1), f"{mib:.2f}", f"{seconds:.3f}",
-            f"{expected[0]:.3f}", f"{seconds / expected[0]:.2f}",
+            ARM_LABELS[result.arm], str(round_), f"{stamp - result.start:.0f}", f"{mib:.2f}",
+            f"{seconds:.3f}", f"{expected[0]:.3f}", f"{seconds / expected[0]:.2f}",
             f"{expected[1]:.3f}", f"{seconds / expected[1]:.2f}",
         ])  # fmt: skip
     return rows
@@ -583,14 +598,15 @@ def heal_rows(result: ArmResult, round_: int, bandwidth: dict[int, float]) -> li
 
 GOODPUT_HEADER = [
     "arm", "round", "seconds", "kills", "newest step", "steps/s (site 0; today: the job)",
-    "vs no failure", "both sites' step records/s", "vs no failure", "site 0 restarted",
+    "vs no failure", "vs today's path", "both sites' step records/s", "vs no failure",
+    "site 0 restarted",
 ]  # fmt: skip
 FAULT_HEADER = [
     "arm", "round", "fault", "kill at s", "steps lost", "seconds lost",
     "stall while site 1 returns (s)", "syncs not committed", "site 1 steps again after s",
 ]  # fmt: skip
 HEAL_HEADER = [
-    "round", "heal", "MiB", "seconds", "bytes / largest bandwidth (s)", "ratio",
+    "arm", "round", "at s", "MiB", "seconds", "bytes / largest bandwidth (s)", "ratio",
     "bytes / nearest size's bandwidth (s)", "ratio",
 ]  # fmt: skip
 
@@ -644,6 +660,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--bandwidth-sizes", default="4194304,16777216,67108864", help="bytes, comma-separated")
     add("--repeats", type=int, default=5, help="send/recv repeats per size")
     add("--out", default="", help="a folder kept for inspection (default: a temporary one)")
+    add("--no-pin", dest="pin", action="store_false", help="do not give each site a core")
     add("--report", default="", help="only print the tables of an earlier run's --out folder")
     add("--bandwidth-worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -699,7 +716,9 @@ def footnote(args: argparse.Namespace, argv: list[str], out: Path) -> str:
         f"{args.kill_every_s:.0f} s, down {args.down_s:.0f} s{', wiped' if args.wipe else ''}, "
         f"--local-steps {args.local_steps}, --checkpoint-every {args.checkpoint_every}, "
         f"{args.model}, seq {args.seq_length}, lighthouse heartbeat timeout "
-        f"{args.heartbeat_timeout_ms} ms, join timeout {args.join_timeout_ms} ms; folders in {out}"
+        f"{args.heartbeat_timeout_ms} ms, join timeout {args.join_timeout_ms} ms, "
+        f"{'each site (node) on a core of its own' if args.pin else 'cores shared'}; "
+        f"folders in {out}"
     )
 
 
@@ -723,7 +742,7 @@ def main(argv: list[str] | None = None) -> None:
         for number in range(1, args.rounds + 1):
             folder = out / f"round-{number}"
             folder.mkdir(parents=True, exist_ok=True)
-            bandwidth = measure_bandwidth(sizes, args.repeats)
+            bandwidth = measure_bandwidth(args, sizes)
             (folder / BANDWIDTH).write_text(json.dumps(bandwidth))
             run_round(args, folder, tail)
     finally:

@@ -17,6 +17,7 @@ from sites_goodput import (
     fault_rows,
     goodput,
     goodput_rows,
+    heal_rows,
     heals,
     kill_offsets,
     longest_gap,
@@ -81,7 +82,7 @@ def test_heal_lines_give_mib_and_seconds() -> None:
         (1.0, "04:30:01 [rank 0] sites: healed from a live site at sync 41: 4.57 MiB in 0.052 s"),
         (2.0, "04:30:02 [rank 0] sites: healed, training on from step 82"),
     ]
-    assert heals(lines) == [(4.57, 0.052)]
+    assert heals(lines) == [(1.0, (4.57, 0.052))]
 
 
 def test_kills_fall_every_period_while_the_return_is_before_the_end() -> None:
@@ -107,12 +108,24 @@ def test_the_rows_compare_with_the_rounds_no_failure_arm() -> None:
     rows = goodput_rows([none, sites], 1)
     assert rows[0][5:7] == ["1.00", "100%"]
     assert rows[1][4:7] == ["15", "0.75", "75%"]
-    assert rows[1][7:9] == ["0.85", "85%"]  # 15 + 2 step records in 20 s against 40
-    assert rows[1][9] == "no (same pids)"
+    assert rows[1][7] == "nan%"  # no today's arm in this round
+    assert rows[1][8:10] == ["0.85", "85%"]  # 15 + 2 step records in 20 s against 40
+    assert rows[1][10] == "no (same pids)"
     [fault] = fault_rows(sites, 1)
     assert fault[3:5] == ["6", "0"]  # killed at 5.5 s; no step logged twice or skipped
     assert fault[5] == "3.0"  # the gap 5 -> 9 around the kill, less the 1 s step
     assert fault[6] == "2.0"  # after the restart at 7.5: 11 -> 14, less 1 s
     assert fault[8] == "4.5"  # site 1's first step after its restart
     sites.workers = [[41], [57]]
-    assert goodput_rows([none, sites], 1)[1][9] == "yes"
+    assert goodput_rows([none, sites], 1)[1][10] == "yes"
+
+
+def test_a_heal_is_compared_with_its_bytes_over_the_measured_bandwidth() -> None:
+    sites = _arm("sites", [(1.0, 1)], 5.5, start=100.0)
+    sites.returning = [
+        (130.0, "[rank 0] sites: healed from a live site at sync 9: 4.00 MiB in 0.063 s")
+    ]
+    [row] = heal_rows(sites, 2, {4 * 2**20: 100.0, 64 * 2**20: 200.0})  # MB/s
+    assert row[1:5] == ["2", "30", "4.00", "0.063"]
+    assert row[5:7] == ["0.021", "3.00"]  # 4 MiB at 200 MB/s: 0.021 s, taken 3x that
+    assert row[7:9] == ["0.042", "1.50"]  # at the 4 MiB send's own 100 MB/s
