@@ -304,6 +304,7 @@ def train_args(args: argparse.Namespace, out: Path, checkpoints: Path) -> list[s
         "--eval-files", str(data / "c4" / "*validation*.json.gz"),
         "--output-dir", str(out), "--checkpoint-dir", str(checkpoints),
         "--seq-length", str(args.seq_length), "--batch-size", "1", "--max-steps", "1000000",
+        "--epochs", "1000",
         "--checkpoint-every", str(args.checkpoint_every), "--log-every", "1",
         "--eval-every", "0", "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1",
         "--peak-tflops", "1", "--optimizer", "diloco", "--local-steps", str(args.local_steps),
