@@ -520,7 +520,6 @@ def goodput_rows(results: list[ArmResult], round_: int) -> list[list[str]]:
     ratio to the ``none`` arm's, whether site 0 restarted."""
     rates = {r.arm: goodput(r.records, r.start, r.end) for r in results}
     both = {r.arm: _both_rate(r) for r in results}
-    nan = float("nan")
     rows = []
     for result in results:
         rate = rates[result.arm]
@@ -528,11 +527,15 @@ def goodput_rows(results: list[ArmResult], round_: int) -> list[list[str]]:
         rows.append([
             ARM_LABELS[result.arm], str(round_), f"{result.end - result.start:.0f}",
             str(len(result.kills)), str(newest_step(result.records, result.end)),
-            f"{rate:.2f}", f"{rate / rates.get('none', nan):.0%}",
-            f"{rate / rates.get('today', nan):.0%}", f"{both[result.arm]:.2f}",
-            f"{both[result.arm] / both.get('none', nan):.0%}", restarted,
+            f"{rate:.2f}", _ratio(rate, rates.get("none")), _ratio(rate, rates.get("today")),
+            f"{both[result.arm]:.2f}", _ratio(both[result.arm], both.get("none")), restarted,
         ])  # fmt: skip
     return rows
+
+
+def _ratio(value: float, reference: float | None) -> str:
+    """``value`` as a percentage of ``reference``; "-" where the round has no such arm."""
+    return "-" if not reference else f"{value / reference:.0%}"
 
 
 def _both_rate(result: ArmResult) -> float:

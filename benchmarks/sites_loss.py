@@ -16,7 +16,7 @@ kill step, whether the two sites' final weights are bit-identical, and whether e
 run's loss lies within the uninterrupted seeds' [min, max] and within their mean +- 2 standard
 deviations.
 
-Usage: uv run python benchmarks/sites_loss.py [--seeds 3] [--steps 800] [--down-s 10]
+Usage: uv run python benchmarks/sites_loss.py [--seeds 3] [--steps 2000] [--down-s 10]
     [--keep-disk] [--eval-batches 40] [--out DIR]
 """
 
@@ -157,7 +157,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """This benchmark's options, on top of ``sites_goodput.py``'s launch settings."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3, help="seeds 1 .. N")
-    parser.add_argument("--steps", type=int, default=800, help="optimizer steps per run")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=2000,
+        help="optimizer steps per run (long enough for site 1 "
+        "to return and heal before site 0 ends: at about 25 steps/s, 80 s)",
+    )
     parser.add_argument("--down-s", type=float, default=10.0, help="seconds site 1 stays down")
     parser.add_argument("--keep-disk", action="store_true", help="do not wipe site 1's folders")
     parser.add_argument("--eval-batches", type=int, default=40, help="held-out batches")

@@ -108,7 +108,7 @@ def test_the_rows_compare_with_the_rounds_no_failure_arm() -> None:
     rows = goodput_rows([none, sites], 1)
     assert rows[0][5:7] == ["1.00", "100%"]
     assert rows[1][4:7] == ["15", "0.75", "75%"]
-    assert rows[1][7] == "nan%"  # no today's arm in this round
+    assert rows[1][7] == "-"  # no today's arm in this round
     assert rows[1][8:10] == ["0.85", "85%"]  # 15 + 2 step records in 20 s against 40
     assert rows[1][10] == "no (same pids)"
     [fault] = fault_rows(sites, 1)
