@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common, sites_goodput
+
 from common import free_port, markdown_table
 from safetensors.torch import load_file
 from sites_goodput import env as train_env
