@@ -1,0 +1,133 @@
+"""Fault-tolerant sites when the torchft lighthouse dies (real processes: a lighthouse on a fixed
+loopback port that the test kills and starts again, and 2 sites of one rank, each its own
+torchrun job): an outage shorter than the quorum timeout costs the sites a stall at one sync and
+nothing else; a longer one stops them with one line, torchrun restarts them and they resume.
+Apart from tests/test_sites.py so that the two xdist workers share the sites' slow tests."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from distributed_harness import (
+    assert_logged_once,
+    free_port,
+    hook_env,
+    logged_losses,
+    metrics_records,
+    worker_pids,
+)
+from test_elastic import _kill_tree, _listening, _wait_for
+from test_sites import _assert_equal_replicas, _both_trained, _lighthouse, _site, _wait_all
+
+pytestmark = pytest.mark.slow
+
+
+class Lighthouse:
+    """A lighthouse (``min_replicas`` 2) on one loopback port that a test kills and starts
+    again; each start logs to ``base/lighthouse-<n>.log``."""
+
+    def __init__(self, base: Path) -> None:
+        self.base, self.port, self.starts = base, free_port(), 0
+        self.proc = self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> subprocess.Popen[bytes]:
+        self.proc = _lighthouse(self.port, 2, self.base / f"lighthouse-{self.starts}.log")
+        self.starts += 1
+        _wait_for(lambda: _listening(self.port), "the lighthouse", timeout=30)
+        return self.proc
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def outage(tmp_path: Path) -> Iterator[Lighthouse]:
+    """A ``Lighthouse`` for an outage test, killed at the end."""
+    house = Lighthouse(tmp_path)
+    try:
+        yield house
+    finally:
+        house.kill()
+
+
+@contextmanager
+def _paced_sites(
+    base: Path, lighthouse: str, *extra: str, restarts: int = 0
+) -> Iterator[list[subprocess.Popen]]:
+    """Both sites of 1 rank for 16 steps, ``extra`` flags added, held before step 12 until
+    ``base/hold`` exists (the run outlasts the test's outage), which the block creates; on
+    leaving the block both must end with status 0 (whatever is left is killed)."""
+    paced = {**hook_env(perturb="hold:12"), "TORCHRUN_DDP_HOLD_FILE": str(base / "hold")}
+    logs = [base / f"site-{site}.log" for site in range(2)]
+    procs = [
+        _site(base, site, 16, lighthouse, logs[site], paced, 1, restarts, extra) for site in (0, 1)
+    ]
+    try:
+        yield procs
+        _wait_all(procs, logs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+
+
+def test_a_lighthouse_outage_shorter_than_the_quorum_timeout_costs_a_stall_not_the_run(
+    tmp_path: Path, outage: Lighthouse
+) -> None:
+    """The lighthouse is killed once both sites trained to step 4 and started again on its port
+    8 s later (it keeps nothing: the sites register again by their heartbeats). The sites wait
+    at their next sync, their quorum call retried (--quorum-retries) within --quorum-timeout-s
+    (90 s here), then train on with the same processes: every step logged once, no restart,
+    equal final replicas. ``hold:12`` keeps the run going until the lighthouse is back."""
+    logs = [tmp_path / f"site-{site}.log" for site in range(2)]
+    with _paced_sites(tmp_path, outage.address) as procs:
+        _wait_for(lambda: _both_trained(tmp_path, 4), "both sites at step 4", 300)
+        workers = [worker_pids(proc.pid) for proc in procs]
+        outage.kill()
+        down = max(logged_losses(tmp_path / "out-0"))
+        time.sleep(8)
+        assert max(logged_losses(tmp_path / "out-0")) <= down + 2  # stopped at its next sync
+        outage.start()
+        _wait_for(lambda: _both_trained(tmp_path, min(down + 3, 11)), "a sync after it", 120)
+        assert workers == [worker_pids(proc.pid) for proc in procs]  # the same processes
+        (tmp_path / "hold").touch()
+    for site in range(2):
+        assert_logged_once(tmp_path / f"out-{site}", 16)
+        assert "attempt 2" not in logs[site].read_text()
+    stall = max(r["step_time_s"] for r in metrics_records(tmp_path / "out-0") if "loss" in r)
+    print(f"lighthouse outage of 8 s: site 0's longest step {stall:.1f} s")  # pytest -s
+    assert stall > 5  # the outage stalled a sync
+    _assert_equal_replicas(tmp_path)
+
+
+def test_a_lighthouse_down_past_the_quorum_timeout_stops_the_sites_and_torchrun_resumes_them(
+    tmp_path: Path, outage: Lighthouse
+) -> None:
+    """With --quorum-timeout-s 5, the lighthouse killed once both sites trained to step 4:
+    every site's next quorum fails after 5 s, its rank stops with one line naming the timeout,
+    and torchrun restarts the site (one restart each, for the one fault). The lighthouse is
+    started again once both have stopped; the new attempts resume their checkpoints, join, and
+    the run ends with equal replicas, every step logged."""
+    logs = [tmp_path / f"site-{site}.log" for site in range(2)]
+    with _paced_sites(tmp_path, outage.address, "--quorum-timeout-s", "5", restarts=1):
+        _wait_for(lambda: _both_trained(tmp_path, 4), "both sites at step 4", 300)
+        outage.kill()
+        stopped = "sites: no quorum within --quorum-timeout-s 5 s"
+        _wait_for(lambda: all(stopped in log.read_text() for log in logs), "both stopped", 120)
+        outage.start()
+        (tmp_path / "hold").touch()
+    for site in range(2):
+        text = logs[site].read_text()
+        assert "attempt 2" in text and "resumed from" in text, text[-3000:]
+        assert max(logged_losses(tmp_path / f"out-{site}")) == 16
+    _assert_equal_replicas(tmp_path)
