@@ -4,6 +4,11 @@ Every field's ``help`` text is what ``python train.py --help`` prints, and the `
 comments group the fields on the generated configuration page (``config_docs``). Reading a config
 (flags, TOML files, input paths, the saved ``config.toml``) is ``config_io``; range and
 combination checks are ``config_checks``.
+
+It holds one concern only, the declaration of every flag (a default and a help text each, about
+120 of them), and stays one flat dataclass over 500 lines on purpose: the flags, the TOML keys
+and the generated page all come from this one list, and a flag is found by reading it top to
+bottom by section.
 """
 
 from __future__ import annotations

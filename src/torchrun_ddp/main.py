@@ -30,7 +30,6 @@ from tqdm import tqdm
 from torchrun_ddp.build import Trainer, build_trainer, checkpoint_storage, train_timeout_s
 from torchrun_ddp.checkpoint import StartFlags, agree_on_start, record_run_id
 from torchrun_ddp.config import TrainConfig
-from torchrun_ddp.config_io import save_config
 from torchrun_ddp.distributed import (
     DistEnv,
     StopRequest,
@@ -59,12 +58,11 @@ from torchrun_ddp.metrics import (
     is_log_step,
     no_step_message,
     progress_bar,
-    restart_records,
 )
 from torchrun_ddp.model import autocast_context, causal_lm_inputs, compile_failure
 from torchrun_ddp.parallel.modes import gradient_sync_off, mode_for
-from torchrun_ddp.resume import rebuild_problem, resume, resumed_config
-from torchrun_ddp.sites import sites_join
+from torchrun_ddp.resume import rebuild_problem, record_start, resume, resumed_config
+from torchrun_ddp.sites import join_sites, leave_sites
 from torchrun_ddp.training_data import bad_record_count
 from torchrun_ddp.training_state import save, save_final_model
 
@@ -91,8 +89,7 @@ def run(config: TrainConfig, env: DistEnv) -> bool:
         if finished and config.save_at_end:
             save_final_model(trainer)
         trainer.metrics.close()
-        if config.fault_tolerance == "sites":
-            sites_join().leave_sites(trainer)
+        leave_sites(trainer)
         return finished
     except DataError as exc:
         if env.is_main:
@@ -139,10 +136,7 @@ def start(
     if env.rank == storage.leader:  # every start check has passed: the folder is this run's
         record_run_id(root, plan.run_id)
     if env.is_main:
-        restart_records(metrics, plan.run_id, trainer.step if plan.path else -1)
-        save_config(config, Path(config.output_dir) / "config.toml", inputs.test_hooks)
-        if plan.lost:  # counted where the run's metrics go: their own state was rebuilt
-            trainer.metrics.log({"step": trainer.step, "rebuilt_ranks": len(plan.lost)})
+        record_start(trainer, config, plan, inputs.test_hooks)
     return trainer
 
 
@@ -151,8 +145,7 @@ def train(trainer: Trainer) -> bool:
     False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
     config = trainer.config
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
-    if config.fault_tolerance == "sites":
-        sites_join().join_sites(trainer)  # a site behind the live ones heals here
+    join_sites(trainer)  # --fault-tolerance sites: a site behind the live ones heals here
     first_step = trainer.step + 1
     with StopRequest() as stop:
         data_ends, stopping = check_in(trainer, max_steps, stop.requested)

@@ -32,11 +32,13 @@ from torchrun_ddp.checkpoint import (
 )
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.config_checks import global_batch_accumulation
+from torchrun_ddp.config_io import save_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.errors import UserError
 from torchrun_ddp.faults import perturbation
 from torchrun_ddp.inputs import tokens_per_step
 from torchrun_ddp.methods import Method
+from torchrun_ddp.metrics import restart_records
 from torchrun_ddp.training_data import data_position
 from torchrun_ddp.training_state import rank_state, run_identity, sharded_state, shared_state
 
@@ -234,3 +236,16 @@ def resume_resharded(
         log.warning("dropped %d error-feedback residuals saved at another world size", dropped)
     trainer.method.load_resharded(trainer.model, path, saved, trainer.env.rank)
     seed_rng(f"{trainer.config.seed}:{trainer.step}:{trainer.env.rank}")
+
+
+def record_start(trainer: Trainer, config: TrainConfig, plan: StartPlan, test_hooks: str) -> None:
+    """Rank 0, once every start check has passed: ``metrics.jsonl`` trimmed to the resumed
+    step (``metrics.restart_records``), the resolved ``config`` (as given, before a resumed
+    shape) saved as the run's config.toml with the armed ``test_hooks`` as a comment, and the
+    ranks whose own state was rebuilt counted in the metrics."""
+    output = Path(config.output_dir)
+    step = trainer.step if plan.path else -1
+    restart_records(output / "metrics.jsonl", plan.run_id, step)
+    save_config(config, output / "config.toml", test_hooks)
+    if plan.lost:  # counted where the run's metrics go: their own state was rebuilt
+        trainer.metrics.log({"step": trainer.step, "rebuilt_ranks": len(plan.lost)})
