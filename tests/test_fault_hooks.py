@@ -7,6 +7,7 @@ point (train.py's ``main``), in this process: each refusal comes before the proc
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,25 @@ def test_armed_hooks_are_described_and_unarmed_ones_never_fire(
     monkeypatch.delenv(faults.ENV)
     monkeypatch.delenv(faults.PERTURB_ENV)
     assert faults.check_hooks() == ""
+
+
+def test_each_hold_waits_for_its_own_step_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``hold:2,hold:20``: step 2 waits for ``<file>.2`` only, step 20 for ``<file>.20``, an
+    unnamed step never waits, and nothing waits when the hooks are not armed."""
+    hold = tmp_path / "hold"
+    monkeypatch.setenv(faults.HOLD_ENV, str(hold))
+    with armed_hooks(perturb="hold:2,hold:20"):
+        waiter = threading.Thread(target=faults.hold_point, args=(2,))
+        waiter.start()
+        faults.hold_point(3)  # not named: returns at once
+        (tmp_path / "hold.20").touch()  # another step's file releases nothing
+        waiter.join(timeout=0.5)
+        assert waiter.is_alive()
+        (tmp_path / "hold.2").touch()
+        waiter.join(timeout=10)
+        assert not waiter.is_alive()
+        faults.hold_point(20)  # its file exists
+    (tmp_path / "hold.2").unlink()
+    faults.hold_point(2)  # not armed: no wait

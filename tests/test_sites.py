@@ -329,12 +329,16 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     and waits before step 20 (``hold``: only so that this short run is not over before site 1's
     new process has imported torch) until site 1 runs again; site 1 starts from nothing, heals
     in site 0's sync of step 20, takes its own data position at its last committed sync from
-    site 0's copy, and both train to step 24."""
+    site 0's copy, and both train to step 24. At the start both sites wait before step 2 (their
+    first sync) until both are ready: a site alone (the lighthouse's minimum is 1) that reached
+    its hold at step 20 before the other started would leave the other a quorum of itself."""
     steps, hold, started = 24, tmp_path / "hold", time.monotonic()
     logs = [tmp_path / f"site-{site}.log" for site in range(2)]
-    paced = {**hook_env(perturb="hold:20"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
+    paced = {**hook_env(perturb="hold:2,hold:20"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
     procs = [_site(tmp_path, site, steps, lighthouse, logs[site], paced) for site in range(2)]
-    try:  # the site that starts first trains alone until the other joins and heals from it
+    try:
+        _wait_for(lambda: all("ready to train" in log.read_text() for log in logs), "starts", 300)
+        hold.with_suffix(".2").touch()  # the first sync then has both: it waits for a live one
         _wait_for(lambda: _both_trained(tmp_path, 6), "both sites at step 6", 300)
         workers = worker_pids(procs[0].pid)
         _kill_tree(procs[1])
@@ -350,7 +354,7 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
         procs[1] = _site(tmp_path, 1, steps, lighthouse, logs[1])
         _wait_for(lambda: "ready to train" in logs[1].read_text()[before:], "site 1 again")
         assert worker_pids(procs[0].pid) == workers  # the same processes trained on
-        hold.touch()
+        hold.with_suffix(".20").touch()
         _wait_all(procs, logs)
     finally:
         for proc in procs:

@@ -65,7 +65,7 @@ def _paced_sites(
     base: Path, lighthouse: str, *extra: str, restarts: int = 0
 ) -> Iterator[list[subprocess.Popen]]:
     """Both sites of 1 rank for 16 steps, ``extra`` flags added, held before step 12 until
-    ``base/hold`` exists (the run outlasts the test's outage), which the block creates; on
+    ``base/hold.12`` exists (the run outlasts the test's outage), which the block creates; on
     leaving the block both must end with status 0 (whatever is left is killed)."""
     paced = {**hook_env(perturb="hold:12"), "TORCHRUN_DDP_HOLD_FILE": str(base / "hold")}
     logs = [base / f"site-{site}.log" for site in range(2)]
@@ -100,7 +100,7 @@ def test_a_lighthouse_outage_shorter_than_the_quorum_timeout_costs_a_stall_not_t
         outage.start()
         _wait_for(lambda: _both_trained(tmp_path, min(down + 3, 11)), "a sync after it", 120)
         assert workers == [worker_pids(proc.pid) for proc in procs]  # the same processes
-        (tmp_path / "hold").touch()
+        (tmp_path / "hold.12").touch()
     for site in range(2):
         assert_logged_once(tmp_path / f"out-{site}", 16)
         assert "attempt 2" not in logs[site].read_text()
@@ -125,7 +125,7 @@ def test_a_lighthouse_down_past_the_quorum_timeout_stops_the_sites_and_torchrun_
         stopped = "sites: no quorum within --quorum-timeout-s 5 s"
         _wait_for(lambda: all(stopped in log.read_text() for log in logs), "both stopped", 120)
         outage.start()
-        (tmp_path / "hold").touch()
+        (tmp_path / "hold.12").touch()
     for site in range(2):
         text = logs[site].read_text()
         assert "attempt 2" in text and "resumed from" in text, text[-3000:]

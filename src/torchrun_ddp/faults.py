@@ -23,9 +23,10 @@ NaN, infinite or 1000 times larger at optimizer step ``STEP``; ``nan-grad:STEP``
 gradient NaN before that step's optimizer step, ``nan-weight:STEP`` a weight NaN after it;
 ``replica:RANK`` changes rank ``RANK``'s replicated state after a resume has loaded it (before
 the ranks compare it). A stop that a perturbation caused says so (``perturbed_note``).
-For tests/test_sites.py: ``hold:STEP`` makes every rank wait before optimizer step ``STEP``
-until the file ``TORCHRUN_DDP_HOLD_FILE`` names exists (``hold_point``: a test paces a live
-site so that a restarted one is back before the run ends).
+For tests/test_sites.py: ``hold:STEP`` (one entry per held step) makes every rank wait before
+optimizer step ``STEP`` until the file ``<TORCHRUN_DDP_HOLD_FILE>.<STEP>`` exists
+(``hold_point``: a test paces a live site so that a restarted one is back before the run ends,
+or lets two sites start together).
 """
 
 from __future__ import annotations
@@ -129,12 +130,13 @@ def perturbation(kind: str) -> int | None:
 
 
 def hold_point(step: int) -> None:
-    """Wait before optimizer step ``step`` while ``TORCHRUN_DDP_PERTURB`` names ``hold:step``
-    and the file ``TORCHRUN_DDP_HOLD_FILE`` does not exist (nothing by default)."""
-    if perturbation("hold") != step:
+    """Wait before optimizer step ``step`` while an armed ``TORCHRUN_DDP_PERTURB`` has the
+    entry ``hold:step`` and the file ``<TORCHRUN_DDP_HOLD_FILE>.<step>`` does not exist
+    (nothing by default)."""
+    spec, path = os.environ.get(PERTURB_ENV, ""), os.environ.get(HOLD_ENV, "")
+    if not (_armed() and path and f"hold:{step}" in spec.split(",")):
         return
-    path = os.environ.get(HOLD_ENV, "")
-    while path and not os.path.exists(path):
+    while not os.path.exists(f"{path}.{step}"):
         time.sleep(0.05)
 
 
