@@ -262,11 +262,11 @@ def checkpoint_plan(
     sizes = dataclasses.replace(
         plan_sizes(config, shapes, plan.parameters, world, matrices), weight_bytes=weight
     )
-    optimizer = method.checkpoint_bytes(sizes)
+    optimizer, mode = method.checkpoint_bytes(sizes), run_mode(config, world)
+    # a live site sends a healing rank its shard of the state
+    heal = method.heal_bytes(sizes) // mode.shape.shard if config.fault_tolerance == "sites" else 0
     replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook
     sizes = checkpoint_sizes(config, plan.parameters, trained, replicated, per_rank)
-    mode = run_mode(config, world)  # a live site sends a healing rank its shard of the state
-    heal = replicated // mode.shape.shard if config.fault_tolerance == "sites" else 0
     if not mode.accepts_node_folders(config):
         return shared_checkpoint_table(sizes, world, mode.name)
     return checkpoint_table(sizes, config, world, per_node, heal)

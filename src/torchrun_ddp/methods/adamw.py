@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
@@ -38,9 +39,10 @@ from torchrun_ddp.errors import UserError
 from torchrun_ddp.methods.base import CheckpointBytes, Method, Owners, PlanSizes, refuse_unused
 from torchrun_ddp.optim import build_optimizer
 from torchrun_ddp.plan.communication import CommEstimate, Topology, estimate, label
+from torchrun_ddp.sites import site_settings
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from torchrun_ddp.distributed import NodeGroups
 
@@ -72,6 +74,8 @@ class AdamWMethod(Method):
         super().__init__(config)
         self.hook: CompressionSettings = compression_settings(config)
         self._replicas: ReplicaExchange | None = None
+        self._site_exchange: Callable[[], None] | None = None
+        """Across fault-tolerant sites: ``SiteAdamW.exchange``, called after backward."""
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
@@ -84,6 +88,19 @@ class AdamWMethod(Method):
                 "--overlap-exchange delays the exchange of --optimizer demo, diloco or "
                 "sparseloco and does nothing for adamw (DDP already overlaps backward); drop it"
             )
+
+    @classmethod
+    def site_problem(cls, config: TrainConfig) -> str:
+        """AdamW exchanges across sites every step, for now in fp32 under ddp inside a site."""
+        if config.data_parallel != "ddp" or config.zero1:
+            return "adamw exchanges across sites under --data-parallel ddp without --zero1 for now"
+        if config.compression != "none":
+            return (
+                "adamw exchanges dense fp32 gradients across sites every step for now; drop "
+                f"--compression {config.compression}, or use --optimizer diloco, sparseloco or "
+                "muloco, which exchange once per sync"
+            )
+        return ""
 
     def register_hook(
         self, ddp_model: DistributedDataParallel, node_groups: NodeGroups | None
@@ -115,14 +132,20 @@ class AdamWMethod(Method):
 
     def after_backward(self) -> None:
         """hsdp with a comm hook: average the gradient shards over the replicate group,
-        compressed (collective); nothing otherwise (DDP's hook and FSDP ran in backward)."""
+        compressed (collective); across fault-tolerant sites: the site means over the live sites
+        (``sites.adamw.SiteAdamW.exchange``); nothing otherwise (DDP's hook and FSDP ran in
+        backward)."""
         if self._replicas is not None:
             self._replicas.average()
+        if self._site_exchange is not None:
+            self._site_exchange()
 
     def build_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
         """torch's AdamW over two parameter groups (``optim.build_optimizer``), ZeRO-1 with
         --zero1."""
         config = self.config
+        if config.fault_tolerance == "sites":
+            return self._site_optimizer(model)
         return build_optimizer(
             model,
             config.learning_rate,
@@ -130,6 +153,22 @@ class AdamWMethod(Method):
             implementation=config.adamw_implementation,
             zero1=config.zero1,
         )
+
+    def _site_optimizer(self, model: torch.nn.Module) -> Optimizer:
+        """AdamW whose gradients are averaged over the live sites every step, with its torchft
+        Manager (``sites.adamw``; imports torchft, about 3 s, so only for runs across sites)."""
+        from torchrun_ddp.sites.adamw import SiteAdamW  # noqa: PLC0415
+        from torchrun_ddp.sites.link import SiteLink  # noqa: PLC0415
+
+        config = self.config
+        optimizer = build_optimizer(
+            model, config.learning_rate, config.weight_decay,
+            implementation=config.adamw_implementation, optimizer_class=SiteAdamW,
+        )  # fmt: skip
+        assert isinstance(optimizer, SiteAdamW)
+        optimizer.link = SiteLink(site_settings(config), dist.get_rank(), dist.get_world_size())
+        self._site_exchange = optimizer.exchange
+        return optimizer
 
     @property
     def zero1(self) -> ZeroRedundancyOptimizer | None:
@@ -199,6 +238,10 @@ class AdamWMethod(Method):
         """The comm hook's all-reduce per step (``plan.communication.estimate``)."""
         sizes = [math.prod(shape) for shape in shapes]
         return estimate(self.hook, sizes, topo, shapes, bucket_bytes)
+
+    def heal_bytes(self, sizes: PlanSizes) -> int:
+        """Across sites: the trained parameters and AdamW's two moments, in the weights' dtype."""
+        return 3 * sizes.weight_bytes * sizes.trained
 
     def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
         """AdamW's two moments in the weights' dtype: replicated, or a 1/W share per rank."""

@@ -314,3 +314,9 @@ class Method:
     def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
         """The bytes the optimizer's state adds to one checkpoint."""
         raise NotImplementedError
+
+    def heal_bytes(self, sizes: PlanSizes) -> int:
+        """Bytes a live site sends each rank of a healing site under ``--fault-tolerance
+        sites`` (before any sharding): the replicated optimizer state by default (the local-update
+        methods' synced fp32 copy and outer momentum, from which the parameters are set)."""
+        return self.checkpoint_bytes(sizes).replicated

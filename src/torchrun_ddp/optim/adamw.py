@@ -45,6 +45,7 @@ def build_optimizer(
     weight_decay: float,
     implementation: str = "fused",
     zero1: bool = False,
+    optimizer_class: type[AdamW] = AdamW,
 ) -> Optimizer:
     """torch's AdamW over ``parameter_groups``; fused by default (CPU and CUDA).
 
@@ -52,9 +53,10 @@ def build_optimizer(
     stage 1, Rajbhandari et al. 2020): each rank keeps AdamW state for its partition of the
     parameters only, steps it, and broadcasts the updated parameters. Needs an initialised
     process group. ``param_groups`` (and so the learning-rate schedule) work as for AdamW.
+    ``optimizer_class``: AdamW or a subclass (``sites.adamw.SiteAdamW``), without ``zero1``.
     """
     groups = parameter_groups(model, weight_decay)
     options = adamw_options(implementation)
     if not zero1:
-        return AdamW(groups, lr=learning_rate, **options)
+        return optimizer_class(groups, lr=learning_rate, **options)
     return ZeroRedundancyOptimizer(groups, optimizer_class=AdamW, lr=learning_rate, **options)

@@ -1,4 +1,5 @@
-"""A site's start among the live sites, and what it sends a site that heals from it.
+"""A site's start among the live sites, and what it sends a site that heals from it (the
+methods that sync every few steps; AdamW's exchange every step: ``sites.adamw``).
 
 ``join_sites`` runs before the first step of a ``--fault-tolerance sites`` run: it tells the
 site's ``SiteLink`` what to send a healing peer (``heal_state``) and how to take a peer's state
@@ -23,6 +24,13 @@ from torchrun_ddp.build import Trainer
 from torchrun_ddp.checkpoint.replicas import state_digest
 from torchrun_ddp.inputs import checkpoint_root
 from torchrun_ddp.optim import SyncedState
+from torchrun_ddp.sites.adamw import (
+    SharedAdamW,
+    SiteAdamW,
+    adamw_heal_state,
+    join_adamw,
+    take_adamw_state,
+)
 from torchrun_ddp.sites.link import HealState
 from torchrun_ddp.sites.positions import pack, read_position, unpack, write_position
 from torchrun_ddp.sites.sync import SiteSync
@@ -30,10 +38,11 @@ from torchrun_ddp.sites.sync import SiteSync
 log = logging.getLogger("torchrun_ddp")
 
 
-def site_optimizer(trainer: Trainer) -> SiteSync | None:
-    """The run's ``SiteSync`` under ``--fault-tolerance sites``, else None."""
+def site_optimizer(trainer: Trainer) -> SiteSync | SiteAdamW | None:
+    """The run's optimizer across sites (``SiteSync`` or ``SiteAdamW``) under
+    ``--fault-tolerance sites``, else None."""
     optimizer = trainer.optimizer
-    return optimizer if isinstance(optimizer, SiteSync) else None
+    return optimizer if isinstance(optimizer, (SiteSync, SiteAdamW)) else None
 
 
 def heal_state(trainer: Trainer, optimizer: SiteSync, in_step: bool) -> HealState:
@@ -76,15 +85,25 @@ def join_sites(trainer: Trainer) -> None:
         return
     joining = [True]
     link, root, rank = optimizer.link, checkpoint_root(trainer.config), trainer.env.rank
-    link.register(
-        lambda: heal_state(trainer, optimizer, not joining[0]),
-        lambda state: take_heal_state(trainer, optimizer, state, not joining[0]),
-    )
-    link.check.fingerprint = lambda: state_digest({"outer": SyncedState(optimizer)})
+    if isinstance(optimizer, SiteAdamW):
+        link.register(
+            lambda: adamw_heal_state(trainer, optimizer),
+            lambda state: take_adamw_state(trainer, optimizer, state),
+        )
+        link.check.fingerprint = lambda: state_digest({"adamw": SharedAdamW(optimizer)})
+    else:
+        link.register(
+            lambda: heal_state(trainer, optimizer, not joining[0]),
+            lambda state: take_heal_state(trainer, optimizer, state, not joining[0]),
+        )
+        link.check.fingerprint = lambda: state_digest({"outer": SyncedState(optimizer)})
     link.after_commit = lambda: write_position(
         root, rank, trainer.step + 1, trainer.data.state_dict()
     )
-    if optimizer.join():
+    healed = (
+        join_adamw(trainer, optimizer) if isinstance(optimizer, SiteAdamW) else optimizer.join()
+    )
+    if healed:
         log.info("sites: healed, training on from step %d", trainer.step)
         take_own_position(trainer, root)
     joining[0] = False
