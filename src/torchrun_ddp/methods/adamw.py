@@ -91,9 +91,10 @@ class AdamWMethod(Method):
 
     @classmethod
     def site_problem(cls, config: TrainConfig) -> str:
-        """AdamW exchanges across sites every step, for now in fp32 under ddp inside a site."""
-        if config.data_parallel != "ddp" or config.zero1:
-            return "adamw exchanges across sites under --data-parallel ddp without --zero1 for now"
+        """AdamW exchanges across sites every step, for now dense fp32 gradients (under hsdp
+        each rank's shard)."""
+        if config.zero1:
+            return "adamw exchanges across sites without --zero1 for now; drop it"
         if config.compression != "none":
             return (
                 "adamw exchanges dense fp32 gradients across sites every step for now; drop "

@@ -25,6 +25,7 @@ import torch
 from torch.optim import AdamW
 
 from torchrun_ddp.build import Trainer
+from torchrun_ddp.parallel.shards import laid_out_like, local_tensor
 from torchrun_ddp.sites.link import HealState, SiteLink
 
 
@@ -49,28 +50,30 @@ class SiteAdamW(AdamW):
     @torch.no_grad()
     def exchange(self, contribute: bool = True) -> None:
         """Collective over the live sites: every trained parameter's gradient (this site's
-        mean, any dtype; a missing one counts as zeros) becomes the mean over the live sites
-        (fp32 on the wire, ``4 x parameters`` bytes per rank and step), unless the exchange is
-        not committed (``committed`` then False, the gradients left as they were).
-        ``contribute`` False (a site's join) sends zeros."""
+        mean; under hsdp this rank's shard, which rank ``r`` of every site holds alike; a
+        missing one counts as zeros) becomes the mean over the live sites (fp32 on the wire,
+        4 bytes per element of the rank's parameters per step), unless the exchange is not
+        committed (``committed`` then False, the gradients left as they were). ``contribute``
+        False (a site's join) sends zeros."""
         params, link = self.trained(), self.site_link()
-        flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
-        offset = 0
-        for param in params:
-            if contribute and param.grad is not None:
-                flat[offset : offset + param.numel()].copy_(param.grad.reshape(-1))
-            offset += param.numel()
+        sizes = [local_tensor(param).numel() for param in params]
+        flat = torch.zeros(sum(sizes), device=local_tensor(params[0]).device)
+        if contribute:
+            grads = [p.grad for p in params]
+            for piece, grad in zip(flat.split(sizes), grads, strict=True):
+                if grad is not None:
+                    piece.copy_(local_tensor(grad).reshape(-1))
         self.committed = link.average(flat)
         if not self.committed:
             return
         if contribute:
             link.after_commit()
         flat.div_(max(1, link.participants))
-        offset = 0
-        for param in params:
-            mean = flat[offset : offset + param.numel()].view_as(param).to(param.dtype)
-            param.grad = mean if param.grad is None else param.grad.copy_(mean)
-            offset += param.numel()
+        for param, mean in zip(params, flat.split(sizes), strict=True):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            local = local_tensor(param.grad)
+            local.copy_(mean.view_as(local))
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """AdamW's step, skipped when the last exchange was not committed."""
@@ -112,19 +115,19 @@ def take_adamw_state(trainer: Trainer, optimizer: SiteAdamW, state: HealState) -
     state of another model."""
     trained = optimizer.trained()
     params = cast(Mapping[str, torch.Tensor], state["parameters"])
-    if [params[str(i)].shape for i in range(len(params))] != [p.shape for p in trained]:
+    shapes = [local_tensor(param).shape for param in trained]
+    if [params[str(i)].shape for i in range(len(params))] != shapes:
         raise ValueError("a healing peer sent parameters of other shapes (another model)")
     with torch.no_grad():
         for index, param in enumerate(trained):
-            param.copy_(params[str(index)])
+            local_tensor(param).copy_(params[str(index)])
     moments = cast(Mapping[str, Mapping[str, torch.Tensor]], state["moments"])
+    taken = {
+        int(index): {name: _laid_out(value, trained[int(index)]) for name, value in entry.items()}
+        for index, entry in moments.items()
+    }
     own = optimizer.state_dict()["param_groups"]
-    optimizer.load_state_dict(
-        {
-            "state": {int(index): dict(entry) for index, entry in moments.items()},
-            "param_groups": own,
-        }
-    )
+    optimizer.load_state_dict({"state": taken, "param_groups": own})
     trainer.step = int(cast(int, state["step"]))
     trainer.tokens_seen = int(cast(int, state["tokens_seen"]))
     books = cast(Mapping[str, torch.Tensor], state.get("positions", {}))
@@ -133,6 +136,12 @@ def take_adamw_state(trainer: Trainer, optimizer: SiteAdamW, state: HealState) -
         warnings.simplefilter("ignore", UserWarning)
         while trainer.scheduler.last_epoch < trainer.step:
             trainer.scheduler.step()
+
+
+def _laid_out(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A received moment (this rank's shard) laid out as its parameter (a DTensor under
+    hsdp); a step count (no dimension) as it came."""
+    return value if value.dim() == 0 else laid_out_like(value, param)
 
 
 def join_adamw(trainer: Trainer, optimizer: SiteAdamW) -> bool:
