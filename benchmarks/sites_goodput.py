@@ -3,16 +3,17 @@ restart path (one torchrun job over the sites), a site killed every N seconds.
 
 Three arms, interleaved within each round (``--rounds``), each ``--duration-s`` long, all on
 loopback, all training the hidden-64 LLaMA of tests/distributed_harness.py (4,096 tokens; or
-``--model``) with DiLoCo (``--local-steps``), one rank per site and one torch thread:
+``--model``) with DiLoCo (``--local-steps``; or ``--optimizer adamw``: the gradients exchanged
+every step), one rank per site and one torch thread:
 
 - ``none``: a torchft lighthouse and 2 sites (each its own torchrun job), nothing killed;
 - ``sites``: the same, site 1's whole torchrun tree SIGKILLed every ``--kill-every-s`` and started
   again ``--down-s`` later on the same folders (``--wipe``: its checkpoint and output folders
   deleted first); site 0's worker pids are checked unchanged;
 - ``today``: one torchrun job over 2 agents ("nodes", ``--nnodes 2``, c10d rendezvous hosted by
-  node 0's agent, ``--max-restarts`` the number of kills), plain DiLoCo across the 2 ranks, the
-  same kill schedule on node 1's agent tree: torchrun restarts the group, which resumes from the
-  newest checkpoint.
+  node 0's agent, ``--max-restarts`` the number of kills), plain DiLoCo (or DDP's AdamW) across
+  the 2 ranks, the same kill schedule on node 1's agent tree: torchrun restarts the group, which
+  resumes from the newest checkpoint.
 
 Step records are stamped here, as they arrive: a thread tails the logs every 50 ms and stamps
 each rank-0 ``step N | loss`` line with the monotonic clock (metrics.jsonl carries no time).
@@ -23,7 +24,8 @@ site ... X MiB in Y s") against the loopback bandwidth measured in the same roun
 send/recv between 2 processes on 127.0.0.1).
 
 Usage: uv run python benchmarks/sites_goodput.py [--duration-s 480] [--kill-every-s 120]
-    [--down-s 20] [--rounds 1] [--arms none,sites,today] [--wipe] [--model PATH] [--out DIR]
+    [--down-s 20] [--rounds 1] [--arms none,sites,today] [--wipe] [--model PATH]
+    [--optimizer diloco|adamw] [--out DIR]
 """
 
 from __future__ import annotations
@@ -307,9 +309,15 @@ def train_args(args: argparse.Namespace, out: Path, checkpoints: Path) -> list[s
         "--epochs", "1000",
         "--checkpoint-every", str(args.checkpoint_every), "--log-every", "1",
         "--eval-every", "0", "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1",
-        "--peak-tflops", "1", "--optimizer", "diloco", "--local-steps", str(args.local_steps),
-        "--train-timeout-s", str(args.train_timeout_s),
+        "--peak-tflops", "1", *method_flags(args), "--train-timeout-s", str(args.train_timeout_s),
     ]  # fmt: skip
+
+
+def method_flags(args: argparse.Namespace) -> list[str]:
+    """``--optimizer`` and, for DiLoCo, ``--local-steps``."""
+    if args.optimizer == "adamw":
+        return ["--optimizer", "adamw"]
+    return ["--optimizer", "diloco", "--local-steps", str(args.local_steps)]
 
 
 def torchrun(nnodes: int, port: int, extra: list[str], train: list[str]) -> list[str]:
@@ -656,6 +664,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--tokenizer", default=SMALL_TOKENIZER, help="tokenizer folder, relative to the repository")
     add("--data-dir", default=str(SHARED_DATA), help="the offline data (c4/ under it)")
     add("--seq-length", type=int, default=32, help="tokens per window (1 window per step)")
+    add("--optimizer", choices=("diloco", "adamw"), default="diloco", help="the method")
     add("--local-steps", type=int, default=2, help="DiLoCo's steps between syncs")
     add("--checkpoint-every", type=int, default=200, help="steps between checkpoints (all arms)")
     add("--train-timeout-s", type=int, default=90, help="train.py's --train-timeout-s")
@@ -718,7 +727,7 @@ def footnote(args: argparse.Namespace, argv: list[str], out: Path) -> str:
         f"{time.strftime('%Y-%m-%d')}, `uv run python benchmarks/sites_goodput.py "
         f"{' '.join(argv)}`; {args.duration_s:.0f} s per arm, a kill every "
         f"{args.kill_every_s:.0f} s, down {args.down_s:.0f} s{', wiped' if args.wipe else ''}, "
-        f"--local-steps {args.local_steps}, --checkpoint-every {args.checkpoint_every}, "
+        f"{' '.join(method_flags(args)[1:])}, --checkpoint-every {args.checkpoint_every}, "
         f"{args.model}, seq {args.seq_length}, lighthouse heartbeat timeout "
         f"{args.heartbeat_timeout_ms} ms, join timeout {args.join_timeout_ms} ms, "
         f"{'each site (node) on a core of its own' if args.pin else 'cores shared'}; "

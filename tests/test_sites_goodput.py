@@ -23,9 +23,11 @@ from sites_goodput import (
     longest_gap,
     newest_step,
     normal_step_s,
+    parse_args,
     recovery_s,
     step_records,
     steps_lost,
+    train_args,
 )
 
 RESTARTED = [(1.0, 1), (2.0, 2), (3.0, 3), (4.0, 4), (9.0, 3), (10.0, 4), (11.0, 5)]
@@ -129,3 +131,17 @@ def test_a_heal_is_compared_with_its_bytes_over_the_measured_bandwidth() -> None
     assert row[1:5] == ["2", "30", "4.00", "0.063"]
     assert row[5:7] == ["0.021", "3.00"]  # 4 MiB at 200 MB/s: 0.021 s, taken 3x that
     assert row[7:9] == ["0.042", "1.50"]  # at the 4 MiB send's own 100 MB/s
+
+
+def test_every_arm_trains_the_chosen_method() -> None:
+    """DiLoCo with its --local-steps by default; --optimizer adamw without them."""
+    out = Path("out")
+    diloco = train_args(parse_args(["--local-steps", "4"]), out, out)
+    assert diloco[diloco.index("--optimizer") :][:4] == [
+        "--optimizer",
+        "diloco",
+        "--local-steps",
+        "4",
+    ]
+    adamw = train_args(parse_args(["--optimizer", "adamw"]), out, out)
+    assert adamw[adamw.index("--optimizer") + 1] == "adamw" and "--local-steps" not in adamw
