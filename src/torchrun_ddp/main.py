@@ -260,6 +260,7 @@ def forward_backward(
 def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tensor, Tensor]:
     """One optimizer step over ``batches``: returns (mean loss, gradient norm before clipping)."""
     precision = trainer.config.precision
+    trainer.method.before_forward()  # across sites: AdamW's quorum overlaps forward and backward
     loss = forward_backward(
         trainer.model, batches, precision, trainer.data.step_tokens, trainer.parallel.no_sync
     )

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
     from torchrun_ddp.distributed import NodeGroups
+    from torchrun_ddp.sites.link import SiteLink
 
 
 _DCT = ("dct", "dct-topk")
@@ -76,6 +77,7 @@ class AdamWMethod(Method):
         self._replicas: ReplicaExchange | None = None
         self._site_exchange: Callable[[], None] | None = None
         """Across fault-tolerant sites: ``SiteAdamW.exchange``, called after backward."""
+        self._site_link: SiteLink | None = None
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
@@ -131,6 +133,12 @@ class AdamWMethod(Method):
         self._replicas.state.count_sharded_exchange(exchange, hooked=True)
         return self._replicas.state
 
+    def before_forward(self) -> None:
+        """Across fault-tolerant sites: start the step's quorum, so that the lighthouse's round
+        trip overlaps forward and backward (``SiteLink.start_quorum``); nothing otherwise."""
+        if self._site_link is not None:
+            self._site_link.start_quorum()
+
     def after_backward(self) -> None:
         """hsdp with a comm hook: average the gradient shards over the replicate group,
         compressed (collective); across fault-tolerant sites: the site means over the live sites
@@ -168,7 +176,7 @@ class AdamWMethod(Method):
         )  # fmt: skip
         assert isinstance(optimizer, SiteAdamW)
         optimizer.link = SiteLink(site_settings(config), dist.get_rank(), dist.get_world_size())
-        self._site_exchange = optimizer.exchange
+        self._site_exchange, self._site_link = optimizer.exchange, optimizer.link
         return optimizer
 
     @property

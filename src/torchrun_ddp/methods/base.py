@@ -203,6 +203,10 @@ class Method:
 
     # -- the loop ------------------------------------------------------------------------------
 
+    def before_forward(self) -> None:
+        """Before the step's first forward: work that may overlap the step's compute. Nothing by
+        default."""
+
     def after_backward(self) -> None:
         """After the step's last backward, before clipping and the optimizer step: any exchange
         of gradients the method runs itself outside backward (collective). Nothing by default."""

@@ -55,6 +55,7 @@ class SiteLink:
         self.transport = HealTransport(self.group, timeout)
         self.healed = False
         self.participants = 0
+        self._started = False
         self._send: Callable[[], HealState] = dict
         self._take: Callable[[HealState], None] = lambda state: None
         self.after_commit: Callable[[], None] = lambda: None
@@ -134,9 +135,20 @@ class SiteLink:
         self.participants = len(blobs)
         return self._vote(), blobs
 
+    def start_quorum(self) -> None:
+        """Start the next sync's quorum without waiting for it (torchft's async quorum), so that
+        it overlaps the step's forward and backward; the sync (``average``, ``gather``) then
+        waits for it. Call it only before a sync that follows."""
+        if not self._started:
+            self.manager.start_quorum()
+            self._started = True
+
     def _quorum(self) -> None:
-        """Start the quorum and wait for it (a heal's transfer included)."""
-        self.manager.start_quorum()
+        """Start the quorum unless ``start_quorum`` did, and wait for it (a heal's transfer
+        included)."""
+        if not self._started:
+            self.manager.start_quorum()
+        self._started = False
         try:
             self.manager.wait_quorum()
         except TimeoutError as exc:
