@@ -1,14 +1,11 @@
 """run(config, env): build the pieces, resume, then one training loop that reads like the algorithm.
 
-For each optimizer step: take this rank's ``accumulation_steps`` micro-batches (already read),
-forward and backward through the wrapped model (``no_sync`` on all but the last micro-batch, so
-gradients are all-reduced once per step), clip, step, schedule. On log steps the ranks reduce
-the loss and, in the same all-reduce, agree whether to go on: every rank has read the data up to
-the next log step, and nobody was asked to stop. Between log steps there is no collective but
-the gradient all-reduce (or the exchange of an optimizer that communicates itself: DeMo every
-step, DiLoCo and SparseLoCo every --local-steps; under --data-parallel fsdp|hsdp, FSDP's
-all-gathers and reduce-scatter and the gradient norm's all-reduce) and no host
-synchronisation. Evaluate and checkpoint on their cadences.
+Each optimizer step: forward and backward over this rank's ``accumulation_steps`` micro-batches
+(already read; ``no_sync`` on all but the last), the method's own exchange, clip, step,
+schedule. On log steps the ranks reduce the loss and, in the same all-reduce, agree whether to
+go on. Between log steps no collective runs but the gradient exchange (DDP's, FSDP's, or the
+method's: DeMo every step, DiLoCo and SparseLoCo every --local-steps, AdamW across sites every
+step) and no host synchronisation. Evaluate and checkpoint on their cadences.
 """
 
 from __future__ import annotations
@@ -233,11 +230,9 @@ def forward_backward(
     ``step_tokens / world_size``: after the mean over ranks (DDP's all-reduce, FSDP's
     reduce-scatter) the gradient is that of the mean over every trained token of the step, as
     one large batch gives; the returned value averaged over ranks is that mean. Gradients are
-    all-reduced (DDP) or reduce-scattered (FSDP) only on the last micro-batch; ``no_sync``
-    (the mode's ``DataParallel.no_sync``: DDP's ``no_sync``, FSDP's
-    ``set_requires_gradient_sync``; by default whichever ``model`` is) skips it on the others.
-    The forward runs under ``autocast_context(precision)`` (bf16-mixed: bfloat16 matmuls);
-    backward runs outside it, as torch's AMP recipe says.
+    all-reduced (DDP) or reduce-scattered (FSDP) only on the last micro-batch; ``no_sync`` (the
+    mode's ``DataParallel.no_sync``; by default whichever ``model`` is) skips it on the others.
+    The forward runs under ``autocast_context(precision)``, backward outside it (torch's AMP).
     """
     total = torch.zeros((), device=batches[0].device)
     divisor = None

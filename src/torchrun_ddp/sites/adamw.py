@@ -128,13 +128,20 @@ def take_adamw_state(trainer: Trainer, optimizer: SiteAdamW, state: HealState) -
     }
     own = optimizer.state_dict()["param_groups"]
     optimizer.load_state_dict({"state": taken, "param_groups": own})
-    trainer.step = int(cast(int, state["step"]))
+    take_run_state(trainer, optimizer.site_link(), state, int(cast(int, state["step"])))
+
+
+def take_run_state(trainer: Trainer, link: SiteLink, state: HealState, step: int) -> None:
+    """What every method's heal takes besides its own state: ``step`` as the trainer's step,
+    the tokens trained, the sites' data positions' copies (``link.book``), and the schedule
+    stepped on to ``step``."""
+    trainer.step = step
     trainer.tokens_seen = int(cast(int, state["tokens_seen"]))
     books = cast(Mapping[str, torch.Tensor], state.get("positions", {}))
-    optimizer.site_link().book = {int(site): blob for site, blob in books.items()}
+    link.book = {int(site): blob for site, blob in books.items()}
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
         warnings.simplefilter("ignore", UserWarning)
-        while trainer.scheduler.last_epoch < trainer.step:
+        while trainer.scheduler.last_epoch < step:
             trainer.scheduler.step()
 
 

@@ -13,12 +13,9 @@ checkpoint's, or the start's), and its data position is its own at its last comm
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
-
-import torch
 
 from torchrun_ddp.build import Trainer
 from torchrun_ddp.checkpoint.replicas import state_digest
@@ -30,6 +27,7 @@ from torchrun_ddp.sites.adamw import (
     adamw_heal_state,
     join_adamw,
     take_adamw_state,
+    take_run_state,
 )
 from torchrun_ddp.sites.link import HealState
 from torchrun_ddp.sites.positions import pack, read_position, unpack, write_position
@@ -64,15 +62,8 @@ def take_heal_state(trainer: Trainer, optimizer: SiteSync, state: HealState, in_
     which the loop then counts and schedules). Raises ValueError for a state of another
     model."""
     SyncedState(optimizer).load_state_dict(cast(Mapping[str, object], state["outer"]))
-    trainer.step = int(cast(int, state["step"])) - int(in_step)
-    assert optimizer.link is not None
-    books = cast(Mapping[str, torch.Tensor], state.get("positions", {}))
-    optimizer.link.book = {int(site): blob for site, blob in books.items()}
-    trainer.tokens_seen = int(cast(int, state["tokens_seen"]))
-    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
-        warnings.simplefilter("ignore", UserWarning)
-        while trainer.scheduler.last_epoch < trainer.step:
-            trainer.scheduler.step()
+    step = int(cast(int, state["step"])) - int(in_step)
+    take_run_state(trainer, optimizer.site_link(), state, step)
 
 
 def join_sites(trainer: Trainer) -> None:
