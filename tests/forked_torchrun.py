@@ -7,8 +7,10 @@ first and each restarted one, is a fork of it that runs ``train.main`` (``forked
 instead of a fresh interpreter that imports them again (a rank of the reference config was
 ready in 2.1 s against 17.9 s, docs/benchmarks.md#test-suite). Everything else is torchrun's own
 code: c10d rendezvous, the restart policy, the signals it forwards. The fault tests and the
-refusals under torchrun use it; the reference run, test_end_to_end, test_elastic and
-test_multisite keep the plain ``python -m torch.distributed.run train.py`` that users run."""
+refusals under torchrun, the sites and test_multisite's agents use it; the reference run,
+test_end_to_end and test_elastic keep the plain ``python -m torch.distributed.run train.py`` that
+users run (test_elastic's third agent must join while the survivor trains: forked ranks train
+through that phase before a new agent, which imports everything first, can join)."""
 
 from __future__ import annotations
 

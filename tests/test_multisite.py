@@ -41,9 +41,10 @@ agents time out in the round after an agent joins (docs/fault-tolerance.md)."""
 
 
 def _agent(base: Path, node: int, port: int, restarts: int, log: Path) -> subprocess.Popen[bytes]:
-    """One node: a torchrun agent of 2 ranks, its own checkpoint folder ``base/node-<n>``."""
+    """One node: a torchrun agent of 2 ranks (forks of the agent, which imported the trainer:
+    ``forked_torchrun.py``), its own checkpoint folder ``base/node-<n>``."""
     args = folder_args(base, f"node-{node}", STEPS, "--train-timeout-s", "30", "--timeout-s", "120")
-    command = torchrun_command(args, 2, 2, port, (f"--max-restarts={restarts}", *RDZV))
+    command = torchrun_command(args, 2, 2, port, (f"--max-restarts={restarts}", *RDZV), forked=True)
     return subprocess.Popen(
         command, cwd=REPO, env=subprocess_env(shared_store=False), stdout=log.open("w"),
         stderr=subprocess.STDOUT, start_new_session=True,
