@@ -31,6 +31,7 @@ from distributed_harness import (
     free_port,
     hook_env,
     logged_losses,
+    metrics_records,
     subprocess_env,
     torchrun_command,
     worker_pids,
@@ -50,6 +51,15 @@ from torchrun_ddp.sites.positions import Shared, pack, read_position, unpack, wr
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
 ADAMW = ("--optimizer", "adamw")
+DCT = (
+    "--compression",
+    "dct",
+    "--compression-ratio",
+    "0.25",
+    "--compression-value-dtype",
+    "bfloat16",
+)
+"""AdamW's exchange through the dct hook (a quarter of each block's coefficients, in bf16)."""
 """AdamW: the gradients averaged over the live sites every step."""
 SPARSELOCO = ("--optimizer", "sparseloco")
 """Given after DILOCO: the later --optimizer wins, the sync every other step stays."""
@@ -75,8 +85,13 @@ def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
             "--optimizer demo does not exchange across sites yet",
         ),
         (
-            ["--fault-tolerance", "sites", "--sites", "2", "--compression", "dct"],
-            "adamw exchanges dense fp32 gradients across sites every step for now; drop",
+            ["--fault-tolerance", "sites", "--sites", "2", "--compression", "powersgd"],
+            "--compression powersgd does not exchange across sites yet",
+        ),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", "--compression", "bf16",
+             "--compression-scope", "inter-node"],
+            "--compression-scope inter-node does not exchange across sites",
         ),
         (
             ["--fault-tolerance", "sites", "--sites", "2", "--zero1"],
@@ -299,8 +314,8 @@ def _assert_equal_replicas(base: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "ranks"),
-    [(DILOCO, 1), ((*DILOCO, *SHARDED), 2), ((*ADAMW, *SHARDED[2:]), 2)],
-    ids=["diloco", "sparseloco-hsdp-2x2", "adamw-hsdp-2x2"],
+    [((*DILOCO, *SHARDED), 2), ((*ADAMW, *SHARDED[2:]), 2), ((*ADAMW, *DCT, *SHARDED[2:]), 2)],
+    ids=["sparseloco-hsdp-2x2", "adamw-hsdp-2x2", "adamw-dct-bf16-hsdp-2x2"],
 )
 def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_both_stop(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], ranks: int
@@ -342,6 +357,18 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_bot
         have = final_weights(tmp_path / f"out-{site}")
         for name, tensor in want.items():
             assert torch.equal(have[name], tensor), (site, name)
+    if "adamw" in method:  # what a rank sends, its exchange across sites included
+        sent, one_job = _step_bytes(tmp_path / "out-0"), _step_bytes(tmp_path / "one-job-out")
+        for step in (1, 7):  # the first step of each start also counts the sites' join
+            assert sent.pop(step)[0] > one_job.pop(step)[0], step
+        assert sent == one_job
+
+
+def _step_bytes(output_dir: Path) -> dict[int, tuple[int, int]]:
+    """Step -> the ``comm_bytes`` and ``comm_bytes_dense`` of its record in metrics.jsonl."""
+    records = [r for r in metrics_records(output_dir) if "comm_bytes" in r]
+    assert records, output_dir
+    return {r["step"]: (r["comm_bytes"], r["comm_bytes_dense"]) for r in records}
 
 
 def _both_trained(base: Path, step: int) -> bool:
@@ -354,7 +381,9 @@ def _both_trained(base: Path, step: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.lighthouse_min(1)
 @pytest.mark.parametrize(
-    ("method", "healed_at"), [(DILOCO, 20), (ADAMW, 21)], ids=["diloco", "adamw"]
+    ("method", "healed_at"),
+    [(DILOCO, 20), ((*ADAMW, *DCT), 21)],
+    ids=["diloco", "adamw-dct-bf16"],
 )
 def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], healed_at: int
@@ -363,7 +392,8 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     and waits before step 20 (``hold``: only so that this short run is not over before site 1's
     new process has imported torch) until site 1 runs again; site 1 starts from nothing, heals
     in site 0's sync of step 20 (DiLoCo's, in the optimizer step after the hold) or 21
-    (AdamW's exchange, after backward and before the hold), takes its own data position at its
+    (AdamW's exchange through the dct hook, after backward and before the hold: site 1 sends
+    zeros through a scratch copy of the hook's state), takes its own data position at its
     last committed sync from site 0's copy, and both train to step 24. At the start both sites
     wait before step 2 until both are ready: a site alone (the lighthouse's minimum is 1) that
     reached its hold at step 20 before the other started would leave the other a quorum of

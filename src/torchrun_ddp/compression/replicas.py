@@ -87,24 +87,39 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 class ReplicaExchange:
     """Averages a sharded model's gradient shards over the replicate group through the comm hook
-    of ``settings``; call :meth:`average` on every rank after the step's last backward.
+    of ``state``; call :meth:`average` on every rank after the step's last backward.
 
-    ``parameters``: the sharded model's ``parameters()`` (their order numbers the error-feedback
-    keys in checkpoints); ``group``: the ranks that hold the same shards (one per replicate
-    group); ``bucket_cap_bytes``: the most float32 bytes in one bucket (DDP's bucket cap).
-    Collective at construction for bf16 payloads on gloo (``hooks.bf16_transport``)."""
+    ``state``: the hook's state, its ``process_group`` the ranks that hold the same shards (one
+    per replica; under ``--fault-tolerance sites`` the live sites' torchft group, ``sites
+    .adamw``) and its ``world_size`` the divisor of the mean; ``parameters``: the sharded
+    model's ``parameters()`` (their order numbers the error-feedback keys in checkpoints and
+    the buckets); ``bucket_cap_bytes``: the most float32 bytes in one bucket (DDP's bucket
+    cap). :meth:`over` builds one over a torch process group."""
 
     def __init__(
         self,
+        state: CompressionState,
+        parameters: Sequence[torch.nn.Parameter],
+        bucket_cap_bytes: int,
+    ) -> None:
+        self.state = state
+        self.parameters = list(parameters)
+        self.bucket_cap_bytes = bucket_cap_bytes
+
+    @classmethod
+    def over(
+        cls,
         settings: CompressionSettings,
         parameters: Sequence[torch.nn.Parameter],
         group: dist.ProcessGroup,
         bucket_cap_bytes: int,
-    ) -> None:
-        self.parameters = list(parameters)
-        self.state = CompressionState(settings, self.parameters, process_group=group)
-        self.state.bf16_transport = bf16_transport(settings, group, self.parameters[0].device)
-        self.bucket_cap_bytes = bucket_cap_bytes
+    ) -> ReplicaExchange:
+        """The exchange of ``settings``' hook over ``group`` (hsdp's replicate group). Collective
+        for bf16 payloads on gloo (``hooks.bf16_transport``)."""
+        parameters = list(parameters)
+        state = CompressionState(settings, parameters, process_group=group)
+        state.bf16_transport = bf16_transport(settings, group, parameters[0].device)
+        return cls(state, parameters, bucket_cap_bytes)
 
     def _buckets(self) -> list[list[tuple[torch.nn.Parameter, torch.Tensor]]]:
         """(parameter, its gradient shard) of the trained parameters with a non-empty shard,

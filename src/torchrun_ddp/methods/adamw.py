@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 
 _DCT = ("dct", "dct-topk")
+SITE_REFUSED_HOOKS = ("dct-topk", "powersgd")
+"""Hooks that do not exchange across sites: their all-gather (top-k pairs) or factor
+all-reduces are sized or divided by the group, which a healing site joins with zeros."""
 COMPRESSION_FLAGS: Owners = {
     "compression_ratio": ("compression", ("dct",)),
     "compression_selection": ("compression", ("dct",)),
@@ -93,27 +96,42 @@ class AdamWMethod(Method):
 
     @classmethod
     def site_problem(cls, config: TrainConfig) -> str:
-        """AdamW exchanges across sites every step, for now dense fp32 gradients (under hsdp
-        each rank's shard)."""
+        """AdamW exchanges across sites every step: dense fp32 gradients, or through an
+        all-reduce hook (``bf16``, ``fp16``, ``dct``) over the live sites; under hsdp each
+        rank's shard."""
         if config.zero1:
             return "adamw exchanges across sites without --zero1 for now; drop it"
-        if config.compression != "none":
+        if config.compression in SITE_REFUSED_HOOKS:
             return (
-                "adamw exchanges dense fp32 gradients across sites every step for now; drop "
-                f"--compression {config.compression}, or use --optimizer diloco, sparseloco or "
-                "muloco, which exchange once per sync"
+                f"--compression {config.compression} does not exchange across sites yet (only "
+                "the all-reduce hooks do: none, bf16, fp16, dct); use one of them, or "
+                "--optimizer sparseloco, which exchanges top-k messages once per sync"
+            )
+        if config.compression_scope != "global":
+            return (
+                "--compression-scope inter-node does not exchange across sites (the sites are "
+                "the slow links already); use --compression-scope global"
             )
         return ""
 
     def register_hook(
         self, ddp_model: DistributedDataParallel, node_groups: NodeGroups | None
     ) -> CompressionState:
-        """The ``--compression`` comm hook (``compression.register_compression``)."""
-        return register_compression(ddp_model, self.hook, node_groups=node_groups)
+        """The ``--compression`` comm hook (``compression.register_compression``). Across
+        fault-tolerant sites DDP averages inside the site with its own all-reduce, and the
+        hook's state (counting those bytes) serves the exchange across sites."""
+        if self.config.fault_tolerance != "sites":
+            return register_compression(ddp_model, self.hook, node_groups=node_groups)
+        state = CompressionState(self.hook, ddp_model.parameters())
+        state.count_builtin_all_reduce(ddp_model.parameters())
+        return state
 
     def exchanges_replicas(self, replicate_dim: bool) -> bool:
-        """hsdp with a --compression hook: the hook exchanges the shards across replicas."""
-        return replicate_dim and self.hook.method != "none"
+        """hsdp with a --compression hook: the hook exchanges the shards across replicas
+        (across fault-tolerant sites FSDP's own all-reduce does inside a site, the hook across
+        sites)."""
+        inside_site = self.config.fault_tolerance == "sites"
+        return replicate_dim and self.hook.method != "none" and not inside_site
 
     def register_sharded(
         self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None
@@ -129,7 +147,7 @@ class AdamWMethod(Method):
             state.count_sharded_exchange(exchange)
             return state
         cap = round(self.config.ddp_bucket_cap_mb * 2**20)
-        self._replicas = ReplicaExchange(self.hook, list(model.parameters()), replicate, cap)
+        self._replicas = ReplicaExchange.over(self.hook, list(model.parameters()), replicate, cap)
         self._replicas.state.count_sharded_exchange(exchange, hooked=True)
         return self._replicas.state
 
@@ -154,7 +172,7 @@ class AdamWMethod(Method):
         --zero1."""
         config = self.config
         if config.fault_tolerance == "sites":
-            return self._site_optimizer(model)
+            return self._site_optimizer(model, compression)
         return build_optimizer(
             model,
             config.learning_rate,
@@ -163,9 +181,10 @@ class AdamWMethod(Method):
             zero1=config.zero1,
         )
 
-    def _site_optimizer(self, model: torch.nn.Module) -> Optimizer:
+    def _site_optimizer(self, model: torch.nn.Module, compression: CompressionState) -> Optimizer:
         """AdamW whose gradients are averaged over the live sites every step, with its torchft
-        Manager (``sites.adamw``; imports torchft, about 3 s, so only for runs across sites)."""
+        Manager (``sites.adamw``; imports torchft, about 3 s, so only for runs across sites),
+        through the --compression hook (its state ``compression``) where one is set."""
         from torchrun_ddp.sites.adamw import SiteAdamW  # noqa: PLC0415
         from torchrun_ddp.sites.link import SiteLink  # noqa: PLC0415
 
@@ -176,6 +195,10 @@ class AdamWMethod(Method):
         )  # fmt: skip
         assert isinstance(optimizer, SiteAdamW)
         optimizer.link = SiteLink(site_settings(config), dist.get_rank(), dist.get_world_size())
+        optimizer.bytes = compression
+        if self.hook.method != "none":
+            cap = round(config.ddp_bucket_cap_mb * 2**20)
+            optimizer.replicas = ReplicaExchange(compression, list(model.parameters()), cap)
         self._site_exchange, self._site_link = optimizer.exchange, optimizer.link
         return optimizer
 

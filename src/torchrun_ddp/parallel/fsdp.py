@@ -131,7 +131,8 @@ HSDP_REFUSALS = (
         "it, or use --data-parallel ddp or a --compression hook",
     ),
     Refusal(
-        "compression", "other than none", lambda config, given: config.compression != "none",
+        "compression", "other than none",
+        lambda config, given: config.compression != "none" and config.fault_tolerance != "sites",
         "--compression {value} compresses the exchange across hsdp's replicas, and this mesh has "
         "{replicas} replica of {shard} ranks (--shard-degree, or a node's ranks), so it would "
         "exchange with none; use --data-parallel ddp for a comm hook on one node, more replicas "

@@ -8,6 +8,10 @@ With one rank per site this is one torchrun job's DDP over the same ranks, bit f
 averages ``g_i / W`` summed, this path ``(sum g_i) / W``, and a division by a power of two is
 exact (more ranks per site sum in another order: the last bits may differ).
 
+With a ``--compression`` all-reduce hook (bf16, fp16, dct) the exchange across sites is the
+hook's, as hsdp's replicate exchange in one job (``compression.ReplicaExchange`` over torchft's
+process group, the mean over the sites taking part); the sites' own collectives stay dense.
+
 A site that starts or restarts joins (``join``) with an exchange of zeros that meets the live
 sites' exchange of their next step; a site behind them heals in it from a live one (the trained
 parameters, AdamW's moments and step counts, the step and the tokens trained) and then takes that
@@ -18,13 +22,14 @@ torchtitan's FT-HSDP uses it per step (``experiments/torchft``).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 
 import torch
 from torch.optim import AdamW
 
 from torchrun_ddp.build import Trainer
+from torchrun_ddp.compression import CompressionState, ReplicaExchange, dense_wire_bytes
 from torchrun_ddp.parallel.shards import laid_out_like, local_tensor
 from torchrun_ddp.sites.link import HealState, SiteLink
 
@@ -32,11 +37,19 @@ from torchrun_ddp.sites.link import HealState, SiteLink
 class SiteAdamW(AdamW):
     """torch's AdamW whose gradients are averaged over the live sites (``exchange``, after
     backward) and whose step is skipped when that exchange was not committed (module
-    docstring). Set ``link`` before the first step."""
+    docstring). Set ``link`` and ``bytes`` before the first step, ``replicas`` for a
+    ``--compression`` hook across sites, ``steps`` once the trainer is built."""
 
     link: SiteLink | None = None
     committed: bool = True
     """Whether the last exchange was committed by every rank of this site."""
+    bytes: CompressionState | None = None
+    """The run's comm-hook state (``Trainer.compression``), which counts this rank's bytes."""
+    replicas: ReplicaExchange | None = None
+    """The ``--compression`` hook's exchange over the live sites (its state ``bytes``), or None:
+    dense fp32 sums."""
+    steps: Callable[[], int] = staticmethod(lambda: 0)
+    """The optimizer steps completed (the trainer's ``step``): the hook's step at an exchange."""
 
     def site_link(self) -> SiteLink:
         """The link; raises AssertionError before it is set."""
@@ -51,29 +64,64 @@ class SiteAdamW(AdamW):
     def exchange(self, contribute: bool = True) -> None:
         """Collective over the live sites: every trained parameter's gradient (this site's
         mean; under hsdp this rank's shard, which rank ``r`` of every site holds alike; a
-        missing one counts as zeros) becomes the mean over the live sites (fp32 on the wire,
-        4 bytes per element of the rank's parameters per step), unless the exchange is not
-        committed (``committed`` then False, the gradients left as they were). ``contribute``
-        False (a site's join) sends zeros."""
+        missing one counts as zeros) becomes the mean over the live sites, unless the exchange
+        is not committed (``committed`` then False, the gradients not to be used). Dense: fp32
+        on the wire, 4 bytes per element of the rank's parameters per step; with ``replicas``:
+        the comm hook's payload (``_compressed``). ``contribute`` False (a site's join) sends
+        zeros. The bytes sent are counted in ``bytes``."""
+        link = self.site_link()
+        if self.replicas is None:
+            self.committed = self._dense(contribute)
+        else:
+            self.committed = link.run(lambda: self._compressed(contribute))
+        if self.committed and contribute:
+            link.after_commit()
+
+    def _dense(self, contribute: bool) -> bool:
+        """The dense exchange: one fp32 sum over the live sites, divided by the sites summed.
+        Returns whether it was committed (the gradients then hold the mean)."""
         params, link = self.trained(), self.site_link()
         sizes = [local_tensor(param).numel() for param in params]
         flat = torch.zeros(sum(sizes), device=local_tensor(params[0]).device)
         if contribute:
-            grads = [p.grad for p in params]
-            for piece, grad in zip(flat.split(sizes), grads, strict=True):
-                if grad is not None:
-                    piece.copy_(local_tensor(grad).reshape(-1))
-        self.committed = link.average(flat)
-        if not self.committed:
-            return
-        if contribute:
-            link.after_commit()
+            for piece, param in zip(flat.split(sizes), params, strict=True):
+                if param.grad is not None:
+                    piece.copy_(local_tensor(param.grad).reshape(-1))
+        committed = link.average(flat)
+        if self.bytes is not None:
+            self.bytes.count("all_reduce", flat.numel() * flat.element_size(), link.group)
+            self.bytes.comm_bytes_dense += dense_wire_bytes(flat.numel(), link.group.size())
+        if not committed:
+            return False
         flat.div_(max(1, link.participants))
         for param, mean in zip(params, flat.split(sizes), strict=True):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             local = local_tensor(param.grad)
             local.copy_(mean.view_as(local))
+        return True
+
+    def _compressed(self, contribute: bool) -> None:
+        """The hook's exchange over the live sites (run by ``SiteLink.run`` after the quorum):
+        ``replicas`` with its group the Managers' and its mean over the sites that take part.
+        A site that sends zeros (its join, or a heal in this sync) sends them through a scratch
+        copy of the hook's state, so its own error feedback stays as it was."""
+        link, replicas = self.site_link(), self.replicas
+        assert replicas is not None and self.bytes is not None
+        for param in self.trained():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            elif not (contribute and link.manager.is_participating()):
+                param.grad.zero_()
+        if not (contribute and link.manager.is_participating()):
+            scratch = CompressionState(replicas.state.settings, replicas.parameters)
+            replicas = ReplicaExchange(scratch, replicas.parameters, replicas.bucket_cap_bytes)
+        state = replicas.state
+        state.process_group, state.world_size = link.group, max(1, link.participants)
+        state.bf16_transport, state.step = "all_reduce", self.steps()
+        replicas.average()
+        if state is not self.bytes:
+            self.bytes.add_step_bytes(state.pop_step_bytes())
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """AdamW's step, skipped when the last exchange was not committed."""

@@ -82,6 +82,7 @@ def join_sites(trainer: Trainer) -> None:
             lambda state: take_adamw_state(trainer, optimizer, state),
         )
         link.check.fingerprint = lambda: state_digest({"adamw": SharedAdamW(optimizer)})
+        optimizer.steps = lambda: trainer.step
     else:
         link.register(
             lambda: heal_state(trainer, optimizer, not joining[0]),

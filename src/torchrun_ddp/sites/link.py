@@ -123,6 +123,22 @@ class SiteLink:
         self.participants = self.manager.num_participants()
         return self._vote()
 
+    def run(self, exchange: Callable[[], None]) -> bool:
+        """Collective over the live sites: take the quorum, set ``participants``, run
+        ``exchange`` (its collectives on ``group``, every live site's rank alike; a site that
+        heals in this sync, ``manager.is_participating()`` False, must send zeros) and vote. An
+        error in the exchange (gloo's, for a site lost during it) is reported to the Manager,
+        so the vote drops the sync. Returns whether every rank of this site commits it. Raises
+        RuntimeError as ``average``."""
+        self._quorum()
+        self.participants = self.manager.num_participants()
+        if self.manager.errored() is None:
+            try:
+                exchange()
+            except RuntimeError as exc:
+                self.manager.report_error(exc)
+        return self._vote()
+
     def gather(self, blob: Callable[[bool], torch.Tensor]) -> tuple[bool, list[torch.Tensor]]:
         """Collective over the live sites: take the quorum, all-gather ``blob(participating)``
         (uint8, any length; ``participating``: False while this site heals in this sync) from
