@@ -28,17 +28,18 @@ class SiteDiLoCo(SiteSync, DiLoCo):
     def _site_sum(self, wire: torch.Tensor) -> int:
         """Sum ``wire`` in place over this site's ranks and then the live sites; returns the
         ranks summed. Sets ``committed``."""
-        link = self.site_link()
+        link, nbytes = self.site_link(), wire.numel() * wire.element_size()
         ranks = dist.get_world_size(self.process_group)
         if ranks > 1:
+            self._count("all_reduce", nbytes)
             dist.all_reduce(wire, group=self.process_group)
         self.committed = link.average(wire)
+        self._count_across("all_reduce", nbytes)
         return ranks * max(1, link.participants)
 
     def _start_exchange(self, start: list[torch.Tensor]) -> PendingSync:
         """The pseudo-gradient, summed over the live sites at once (blocking)."""
         flat, wire = self._pseudo_gradient()
-        self._count("all_reduce", wire.numel() * wire.element_size())
         ranks = self._site_sum(wire)
         if self.committed:
             self.site_link().after_commit()

@@ -37,7 +37,6 @@ class SiteSparseLoCo(SiteSync, SparseLoCo):
         sites gathered at once (blocking)."""
         messages = [self._compress(index)[0] for index in range(len(self.codecs))]
         payload = torch.cat(messages)
-        self._count("all_gather", payload.numel())
         rows = self._site_rows(payload, joining=False)
         if self.committed:
             self.site_link().after_commit()
@@ -80,6 +79,7 @@ class SiteSparseLoCo(SiteSync, SparseLoCo):
             return torch.cat([header.view(torch.uint8), payload.cpu()])
 
         self.committed, blobs = link.gather(blob)
+        self._count_across("all_gather", 8 * HEADER + payload.numel())
         if not self.committed or not blobs:
             return torch.zeros(0, payload.numel(), dtype=torch.uint8)
         stacked = torch.stack(blobs)
@@ -101,5 +101,6 @@ class SiteSparseLoCo(SiteSync, SparseLoCo):
             torch.empty_like(stacked, device=device)
             for _ in range(dist.get_world_size(self.process_group))
         ]
+        self._count("all_gather", stacked.numel())
         dist.all_gather(parts, stacked.to(device), group=self.process_group)
         return torch.cat(parts).cpu()

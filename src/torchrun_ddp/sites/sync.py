@@ -47,6 +47,12 @@ class SiteSync(LocalUpdates):
         assert self.link is not None, f"{type(self).__name__} needs its link before a sync"
         return self.link
 
+    def _count_across(self, collective: str, nbytes: int) -> None:
+        """Tell ``counter`` a collective of ``nbytes`` input bytes over the live sites' torchft
+        group (at its size: the quorum's)."""
+        if self.counter is not None:
+            self.counter(collective, nbytes, self.site_link().group)
+
     @torch.no_grad()
     def flush(self) -> bool:
         """``LocalUpdates.flush``; a sync that was not committed is dropped instead (no outer
