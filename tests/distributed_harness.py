@@ -8,7 +8,9 @@ rank. A worker that raises fails the test with its traceback; a group that hangs
 
 ``torchrun_command(args)`` / ``torchrun(args)`` run ``train.py`` under the real torchrun launcher
 (c10d rendezvous on a free loopback port), always with a timeout; with ``forked=True`` through
-``forked_torchrun.py``, whose ranks are forks of an agent that has imported the trainer.
+``forked_torchrun.py``, whose ranks are forks of an agent that has imported the trainer, and
+which ``start_agent`` / ``run_agent`` fork from the fork server (an agent's start then costs
+about a second, not 8 s of imports).
 
 ``reference_args`` is the fault and resume tests' one training config (its uninterrupted run is
 conftest.py's session fixture ``reference_run``); ``logged_losses``, ``metrics_records``,
@@ -22,13 +24,15 @@ import io
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -106,7 +110,10 @@ def clone_env(clone: Path) -> dict[str, str]:
 
 
 def torchrun(args: list[str], nproc: int = 2, **options: object) -> subprocess.CompletedProcess:
-    """Run ``train.py`` under torchrun to completion (or the timeout); output captured."""
+    """Run ``train.py`` under torchrun to completion (or the timeout); output captured (with
+    ``forked=True`` stdout and stderr together in ``stderr``, ``run_agent``)."""
+    if options.get("forked"):
+        return run_agent(torchrun_command(args, nproc, **options), subprocess_env())
     return subprocess.run(
         torchrun_command(args, nproc, **options),
         cwd=REPO,
@@ -116,6 +123,116 @@ def torchrun(args: list[str], nproc: int = 2, **options: object) -> subprocess.C
         timeout=TIMEOUT_S,
         check=False,
     )
+
+
+class ForkedAgent:
+    """A torchrun agent forked from this test worker's fork server (``start_agent``), with the
+    part of ``subprocess.Popen``'s interface that the tests use."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        """The agent's process id."""
+        assert self.process.pid is not None
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status (minus the signal that ended it), None while it runs."""
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        """``returncode``, without waiting."""
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the agent to end; its status. Raises subprocess.TimeoutExpired."""
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+        return self.process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to the agent (nothing once it has ended)."""
+        with suppress(ProcessLookupError):
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL the agent."""
+        self.send_signal(signal.SIGKILL)
+
+
+Agent = subprocess.Popen | ForkedAgent
+"""A launched torchrun agent."""
+
+
+def start_agent(
+    command: list[str], log: Path, env: dict[str, str], append: bool = False, cwd: Path = REPO
+) -> Agent:
+    """Start ``command`` (``torchrun_command``'s) with stdout and stderr into ``log``, in a
+    session of its own. A forked command's agent (``forked=True``) is a fork of this worker's
+    fork server, which has the trainer imported (about 8 s of CPU less per start than a fresh
+    interpreter); any other command a subprocess."""
+    if len(command) < 2 or Path(command[1]).name != "forked_torchrun.py":
+        with log.open("a" if append else "w") as sink:
+            return subprocess.Popen(
+                command, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+    from forked_torchrun import serve_agent  # noqa: PLC0415
+
+    process = _context().Process(
+        target=serve_agent, args=(command[1:], str(cwd), env, str(log), append)
+    )
+    process.start()
+    return ForkedAgent(process)
+
+
+def run_agent(
+    command: list[str], env: dict[str, str], timeout: float = TIMEOUT_S, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """``command`` to its end through ``start_agent``: its status, and its stdout and stderr
+    together in ``stderr`` (``stdout`` empty). Raises subprocess.TimeoutExpired (the agent
+    and its workers killed)."""
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "agent.log"
+        agent = start_agent(command, log, env, cwd=cwd)
+        try:
+            status = agent.wait(timeout)
+        finally:
+            if agent.poll() is None:
+                kill_agent(agent)
+        output = log.read_text(errors="replace")
+    return subprocess.CompletedProcess(command, status, "", output)
+
+
+def kill_agent(agent: Agent) -> None:
+    """SIGKILL the agent and every process below it (its workers), then reap it."""
+    for pid in [*descendants(agent.pid), agent.pid]:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.wait(timeout=30)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 PEAK = ("--peak-tflops", "1")
@@ -246,7 +363,12 @@ def assert_same_run(got: Path, expected: Path, steps: int | None = None) -> None
 
 def worker_pids(agent_pid: int) -> list[int]:
     """PIDs of the worker processes (ranks) started by a torchrun agent: train.py's, or the
-    forks of ``forked_torchrun.py`` (whose command line names forked_rank.py)."""
+    forks of a ``forked_torchrun.py`` agent (whose command line they share; torchrun's other
+    children, such as multiprocessing's resource tracker, have their own)."""
+    try:
+        agent = (Path("/proc") / str(agent_pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -256,7 +378,7 @@ def worker_pids(agent_pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == agent_pid and (b"train.py" in cmdline or b"forked_rank.py" in cmdline):
+        if int(stat[1]) == agent_pid and (b"train.py" in cmdline or cmdline == agent):
             found.append(int(entry.name))
     return found
 

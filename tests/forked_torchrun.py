@@ -2,20 +2,24 @@
 --run-path --start-method=fork tests/forked_rank.py [train.py flags]`` (``torchrun_command(...,
 forked=True)`` builds it).
 
-The agent imports torch, transformers and this package before it starts, and every rank, the
-first and each restarted one, is a fork of it that runs ``train.main`` (``forked_rank.py``)
-instead of a fresh interpreter that imports them again (a rank of the reference config was
-ready in 2.1 s against 17.9 s, docs/benchmarks.md#test-suite). Everything else is torchrun's own
+The tests start the agent itself as a fork of their worker's fork server
+(``distributed_harness.start_agent`` runs ``serve_agent``), which has imported torch,
+transformers and this package once per test worker; run as a script, the agent imports them
+before it starts. Every rank, the first and each restarted one, is a fork of the agent that
+runs ``train.main`` (``forked_rank.py``) instead of a fresh interpreter that imports them again
+(a rank of the reference config was ready in 2.1 s against 17.9 s,
+docs/benchmarks.md#test-suite). Everything else is torchrun's own
 code: c10d rendezvous, the restart policy, the signals it forwards. The fault tests and the
 refusals under torchrun, the sites and test_multisite's agents use it; the reference run,
 test_end_to_end and test_elastic keep the plain ``python -m torch.distributed.run train.py`` that
-users run (test_elastic's third agent must join while the survivor trains: forked ranks train
-through that phase before a new agent, which imports everything first, can join)."""
+users run (test_elastic's third agent must join while the survivor trains alone, a phase that
+forked ranks, which start in a second, get through before it joins)."""
 
 from __future__ import annotations
 
 import gc
 import importlib
+import io
 import os
 import sys
 import traceback
@@ -49,6 +53,28 @@ def launch() -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def serve_agent(argv: list[str], cwd: str, env: dict[str, str], log: str, append: bool) -> None:
+    """The body of an agent forked from a test worker's fork server, which imported the trainer
+    already (``distributed_harness.start_agent``): a session of its own, stdout and stderr
+    unbuffered into ``log`` (appended to with ``append``), ``env`` as its whole environment,
+    ``cwd``, then torchrun's ``main`` on ``argv``; exits with its status."""
+    os.setsid()
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    sink = os.open(log, flags, 0o644)
+    for descriptor in (1, 2):
+        os.dup2(sink, descriptor)
+    os.close(sink)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = argv
+    preload()
+    status = launch()
+    os._exit(status)
 
 
 if __name__ == "__main__":

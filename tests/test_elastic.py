@@ -7,11 +7,8 @@ fall back towards an untrained model), every step is logged once, and the run en
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -24,6 +21,7 @@ from distributed_harness import (
     REPO,
     assert_logged_once,
     free_port,
+    kill_agent,
     logged_losses,
     run_distributed,
     subprocess_env,
@@ -69,32 +67,6 @@ heartbeats; a round waits 8 s for more agents once one is there (so the second a
 first round)."""
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    for pid in [*_descendants(proc.pid), proc.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -132,7 +104,7 @@ def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) ->
         _wait_for(lambda: _listening(port), "the first agent's rendezvous store")
         leaving = start(logs[1])  # the store lives in the first agent, which stays
         _wait_for((tmp_path / "checkpoints" / "step-8" / "COMPLETE").is_file, "step 8")
-        _kill_tree(leaving)
+        kill_agent(leaving)
         text_a = logs[0].read_text
         _wait_for(
             lambda: _trained_after(text_a(), "world size 2 -> 1"), "a step at world size 1", 300
@@ -143,7 +115,7 @@ def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) ->
     finally:
         for proc in procs:
             if proc.poll() is None:
-                _kill_tree(proc)
+                kill_agent(proc)
     log_a = text_a()
     # After the join either agent may host rank 0, which alone logs the resume: read both logs.
     both = log_a + logs[2].read_text()

@@ -36,13 +36,16 @@ from distributed_harness import (
     REFERENCE_STEPS,
     REPO,
     TIMEOUT_S,
+    Agent,
     assert_logged_once,
     assert_same_run,
     hook_env,
     logged_losses,
     logged_steps,
     reference_args,
+    run_agent,
     run_distributed,
+    start_agent,
     subprocess_env,
     torchrun_command,
     worker_pids,
@@ -68,10 +71,7 @@ def _run(args: list[str], faults: str = "", restarts: int = 0) -> subprocess.Com
     """torchrun with the fault list in the environment; each attempt may take TIMEOUT_S / 4."""
     env = hook_env(faults=faults) if faults else subprocess_env()
     command = torchrun_command(args, extra=(f"--max-restarts={restarts}",), forked=True)
-    timeout = TIMEOUT_S * (1 + restarts) / 4
-    return subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return run_agent(command, env, TIMEOUT_S * (1 + restarts) / 4)
 
 
 @pytest.mark.timeout(1500)
@@ -97,7 +97,7 @@ def test_sigkill_at_every_point_on_either_rank_ends_bit_identical(
     assert all((path / "COMPLETE").is_file() for path in checkpoints.glob("step-*"))
 
 
-def _wait_for(condition: Callable[[], bool], proc: subprocess.Popen) -> None:
+def _wait_for(condition: Callable[[], bool], proc: Agent) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while not condition():
         assert proc.poll() is None, "the run ended before the event the test waits for"
@@ -129,12 +129,9 @@ def _sigint_alone(sample_data: Path, output_dir: Path) -> None:
     assert_logged_once(output_dir, len(logged_steps(output_dir)))
 
 
-def _popen(args: list[str], log: Path, restarts: int = 0) -> subprocess.Popen:
-    with log.open("w") as sink:
-        command = torchrun_command(args, extra=(f"--max-restarts={restarts}",), forked=True)
-        return subprocess.Popen(
-            command, cwd=REPO, env=subprocess_env(), stdout=sink, stderr=subprocess.STDOUT
-        )
+def _popen(args: list[str], log: Path, restarts: int = 0) -> Agent:
+    command = torchrun_command(args, extra=(f"--max-restarts={restarts}",), forked=True)
+    return start_agent(command, log, subprocess_env())
 
 
 def test_sigterm_or_sigint_saves_a_checkpoint_and_the_run_resumes_bit_identical(
@@ -288,7 +285,7 @@ def _step_lines(log: Path) -> int:
     return len(re.findall(r"\] step \d+ \| loss", text[text.rfind("ready to train") :]))
 
 
-def _kill_one(proc: subprocess.Popen, log: Path, killed: set[int], rng: random.Random) -> str:
+def _kill_one(proc: Agent, log: Path, killed: set[int], rng: random.Random) -> str:
     """Wait for a new attempt's workers, then SIGKILL one at random: in start-up (a random delay
     of up to 2 s after they appear; a forked rank is ready in about 2) or after 1 to 4 of its
     training steps."""

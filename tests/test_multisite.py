@@ -9,20 +9,21 @@ nodes (c10d rendezvous) train exactly what one group trains."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from distributed_harness import (
-    REPO,
+    Agent,
     folder_args,
     free_port,
+    kill_agent,
     logged_losses,
     run_distributed,
+    start_agent,
     subprocess_env,
     torchrun_command,
 )
-from test_elastic import _kill_tree, _listening, _wait_for
+from test_elastic import _listening, _wait_for
 from test_node_local import _train
 from tiny_models import digest
 from transformers import AutoModelForCausalLM
@@ -40,15 +41,12 @@ rendezvous round (``subprocess_env(shared_store=False)``): with torchrun's share
 agents time out in the round after an agent joins (docs/fault-tolerance.md)."""
 
 
-def _agent(base: Path, node: int, port: int, restarts: int, log: Path) -> subprocess.Popen[bytes]:
+def _agent(base: Path, node: int, port: int, restarts: int, log: Path) -> Agent:
     """One node: a torchrun agent of 2 ranks (forks of the agent, which imported the trainer:
     ``forked_torchrun.py``), its own checkpoint folder ``base/node-<n>``."""
     args = folder_args(base, f"node-{node}", STEPS, "--train-timeout-s", "30", "--timeout-s", "120")
     command = torchrun_command(args, 2, 2, port, (f"--max-restarts={restarts}", *RDZV), forked=True)
-    return subprocess.Popen(
-        command, cwd=REPO, env=subprocess_env(shared_store=False), stdout=log.open("w"),
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    return start_agent(command, log, subprocess_env(shared_store=False))
 
 
 def test_a_node_replaced_with_an_empty_disk_recovers_from_its_peer_bit_identically(
@@ -57,13 +55,13 @@ def test_a_node_replaced_with_an_empty_disk_recovers_from_its_peer_bit_identical
     run = tmp_path / "run"
     port = free_port()
     logs = [tmp_path / f"agent-{name}.log" for name in ("first", "killed", "new")]
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Agent] = []
     try:
         procs.append(_agent(run, 0, port, 1, logs[0]))  # hosts the store; one restart
         _wait_for(lambda: _listening(port), "the first agent's rendezvous store")
         procs.append(_agent(run, 1, port, 1, logs[1]))
         _wait_for((run / "node-1" / "step-6" / "COMPLETE").is_file, "step 6 on node 1")
-        _kill_tree(procs[1])
+        kill_agent(procs[1])
         shutil.rmtree(run / "node-1")
         procs.append(_agent(run, 1, port, 0, logs[2]))
         assert procs[0].wait(timeout=300) == 0, logs[0].read_text()[-4000:]
@@ -71,7 +69,7 @@ def test_a_node_replaced_with_an_empty_disk_recovers_from_its_peer_bit_identical
     finally:
         for proc in procs:
             if proc.poll() is None:
-                _kill_tree(proc)
+                kill_agent(proc)
     text = logs[0].read_text() + logs[2].read_text()
     recovered = [line for line in text.splitlines() if "MiB from peers" in line]
     assert len(recovered) == 1, text[-4000:]

@@ -24,19 +24,22 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import (
-    REPO,
+    Agent,
     assert_logged_once,
     final_weights,
     folder_args,
     free_port,
     hook_env,
+    kill_agent,
     logged_losses,
     metrics_records,
+    run_agent,
+    start_agent,
     subprocess_env,
     torchrun_command,
     worker_pids,
 )
-from test_elastic import _kill_tree, _listening, _wait_for
+from test_elastic import _listening, _wait_for
 
 from torchrun_ddp.checkpoint.heal import FORMAT, decode, encode
 from torchrun_ddp.config_io import parse_config
@@ -242,7 +245,7 @@ def _site(
     restarts: int = 0,
     extra: tuple[str, ...] = (),
     method: tuple[str, ...] = DILOCO,
-) -> subprocess.Popen:
+) -> Agent:
     """Site ``site``: its own torchrun job of ``ranks`` ranks (forked; ``restarts``: torchrun's
     --max-restarts, one per fault the test injects), the ``method``'s flags and ``extra``, own
     folders ``base/site-<n>`` and ``base/out-<n>``; ``env``: variables added to its environment. Its
@@ -253,12 +256,8 @@ def _site(
         base, f"site-{site}", steps, *method, "--output-dir", str(base / f"out-{site}"),
         *_sites_flags(site, lighthouse, "--train-timeout-s", "90", *extra),
     )  # fmt: skip
-    return subprocess.Popen(
-        torchrun_command(args, ranks, forked=True, extra=(f"--max-restarts={restarts}",)),
-        cwd=REPO,
-        env={**subprocess_env(), **(env or {})}, stdout=log.open("a"), stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
+    command = torchrun_command(args, ranks, forked=True, extra=(f"--max-restarts={restarts}",))
+    return start_agent(command, log, {**subprocess_env(), **(env or {})}, append=True)
 
 
 @pytest.fixture
@@ -275,7 +274,7 @@ def lighthouse(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 400) -> None:
+def _wait_all(procs: list[Agent], logs: list[Path], timeout: float = 400) -> None:
     for proc, log in zip(procs, logs, strict=True):
         assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
 
@@ -300,7 +299,7 @@ def _run_sites(
     finally:
         for proc in procs:
             if proc.poll() is None:
-                _kill_tree(proc)
+                kill_agent(proc)
 
 
 def _assert_equal_replicas(base: Path) -> None:
@@ -342,10 +341,7 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_bot
     one_job = folder_args(
         tmp_path, "one-job", steps, *method, "--output-dir", str(tmp_path / "one-job-out")
     )
-    done = subprocess.run(
-        torchrun_command(one_job, 2 * ranks, forked=True), cwd=REPO, env=subprocess_env(),
-        capture_output=True, text=True, timeout=400, check=False,
-    )  # fmt: skip
+    done = run_agent(torchrun_command(one_job, 2 * ranks, forked=True), subprocess_env(), 400)
     assert done.returncode == 0, done.stderr[-4000:]
     expected = logged_losses(tmp_path / "one-job-out")
     sites = [logged_losses(tmp_path / f"out-{site}") for site in range(2)]
@@ -420,7 +416,7 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
         hold.with_suffix(".2").touch()  # the first sync then has both: it waits for a live one
         _wait_for(lambda: _both_trained(tmp_path, 6), "both sites at step 6", 300)
         workers = worker_pids(procs[0].pid)
-        _kill_tree(procs[1])
+        kill_agent(procs[1])
         killed = len(logs[0].read_text()), max(logged_losses(tmp_path / "out-0"), default=0)
         record = read_position(tmp_path / "site-1", 0)  # its last committed sync's
         assert record is not None
@@ -438,7 +434,7 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     finally:
         for proc in procs:
             if proc.poll() is None:
-                _kill_tree(proc)
+                kill_agent(proc)
     print(f"kill and heal test: {time.monotonic() - started:.1f} s")  # pytest -s
     site0, again = logs[0].read_text(), logs[1].read_text()[before:]
     assert "sites: healed" not in site0[killed[0] :] and "attempt 2" not in site0, site0[-3000:]
@@ -481,7 +477,7 @@ def test_a_site_of_two_ranks_restarted_by_torchrun_resumes_heals_and_rejoins(
     finally:
         for proc in procs:
             if proc.poll() is None:
-                _kill_tree(proc)
+                kill_agent(proc)
     site0, site1 = (log.read_text() for log in logs)
     assert "attempt 2" in site1 and "attempt 2" not in site0, site1[-3000:]
     assert re.search(r"resumed from \S+step-6 at step 6", site1), site1[-4000:]

@@ -15,14 +15,16 @@ from pathlib import Path
 
 import pytest
 from distributed_harness import (
+    Agent,
     assert_logged_once,
     free_port,
     hook_env,
+    kill_agent,
     logged_losses,
     metrics_records,
     worker_pids,
 )
-from test_elastic import _kill_tree, _listening, _wait_for
+from test_elastic import _listening, _wait_for
 from test_sites import _assert_equal_replicas, _both_trained, _lighthouse, _site, _wait_all
 
 pytestmark = pytest.mark.slow
@@ -64,7 +66,7 @@ def outage(tmp_path: Path) -> Iterator[Lighthouse]:
 @contextmanager
 def _paced_sites(
     base: Path, lighthouse: str, *extra: str, restarts: int = 0
-) -> Iterator[list[subprocess.Popen]]:
+) -> Iterator[list[Agent]]:
     """Both sites of 1 rank for 16 steps, ``extra`` flags added, held before step 12 until
     ``base/hold.12`` exists (the run outlasts the test's outage), which the block creates; on
     leaving the block both must end with status 0 (whatever is left is killed)."""
@@ -79,7 +81,7 @@ def _paced_sites(
     finally:
         for proc in procs:
             if proc.poll() is None:
-                _kill_tree(proc)
+                kill_agent(proc)
 
 
 def test_a_lighthouse_outage_costs_a_stall_within_the_quorum_timeout_and_a_restart_past_it(
