@@ -24,6 +24,7 @@ import io
 import json
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -383,11 +384,40 @@ def worker_pids(agent_pid: int) -> list[int]:
     return found
 
 
+_HANDED_OUT: set[int] = set()
+"""The ports ``free_port`` returned in this process."""
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago and that this process has not handed
+    out before, below the kernel's ephemeral range (ip_local_port_range): a port the kernel
+    picks for an outgoing connection or a bind to port 0 (gloo's, torchft's, in the other test
+    worker) cannot then take it before the test's process binds it (a rendezvous store that
+    failed to bind its port was seen once in a full-suite run)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    while low > 11000:
+        port = rng.randrange(10000, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (0 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _to_bytes(value: object) -> bytes:
