@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -119,7 +120,7 @@ class HealTransport(CheckpointTransport[dict[str, object]]):
         header, payload = encode(state_dict, step)
         length = torch.tensor([len(header)], dtype=torch.int64)
         header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # never empty
+        body = _read_only_view(payload)  # never empty
         for dst in dst_ranks:
             self.group.send([length], dst, _LENGTH_TAG).wait(timeout)
             self.group.send([header_tensor], dst, _HEADER_TAG).wait(timeout)
@@ -157,7 +158,14 @@ class HealTransport(CheckpointTransport[dict[str, object]]):
             raise ValueError(f"a healing peer announced {total} payload bytes")
         body = torch.empty(total, dtype=torch.uint8)
         for start in range(0, total, CHUNK_BYTES):
-            chunk = torch.empty(min(CHUNK_BYTES, total - start), dtype=torch.uint8)
+            chunk = body[start : start + CHUNK_BYTES]  # received in place
             self.group.recv([chunk], src_rank, _PAYLOAD_TAG).wait(timeout)
-            body[start : start + chunk.numel()] = chunk
         return body.numpy().tobytes()
+
+
+def _read_only_view(data: bytes) -> torch.Tensor:
+    """``data`` as a uint8 tensor without a copy, for sending only (torch warns that the buffer
+    is not writable: nothing writes to it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
