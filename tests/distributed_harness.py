@@ -386,20 +386,24 @@ def worker_pids(agent_pid: int) -> list[int]:
 
 _HANDED_OUT: set[int] = set()
 """The ports ``free_port`` returned in this process."""
+PORTS_PER_WORKER = 2500
+"""Each pytest-xdist worker's own block of ports, from port 10000 (gw0's) up."""
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago and that this process has not handed
-    out before, below the kernel's ephemeral range (ip_local_port_range): a port the kernel
-    picks for an outgoing connection or a bind to port 0 (gloo's, torchft's, in the other test
-    worker) cannot then take it before the test's process binds it (a rendezvous store that
-    failed to bind its port was seen once in a full-suite run)."""
-    low = _ephemeral_low()
-    rng = random.SystemRandom()
-    while low > 11000:
-        port = rng.randrange(10000, low)
-        if port in _HANDED_OUT:
-            continue
+    out before, from this pytest-xdist worker's own block (``PORTS_PER_WORKER``), below the
+    kernel's ephemeral range (ip_local_port_range). So neither the other worker's tests nor a
+    port the kernel picks for a connection or a bind to port 0 (gloo's, torchft's) can take it
+    before the test's process binds it: a rendezvous store that could not bind its port, and a
+    lighthouse whose port another process held, were seen in full-suite runs. Where the block
+    does not fit below that range, the kernel picks."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = 10000 + worker * PORTS_PER_WORKER
+    high = min(low + PORTS_PER_WORKER, _ephemeral_low())
+    candidates = [port for port in range(low, high) if port not in _HANDED_OUT]
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
