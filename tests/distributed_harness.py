@@ -184,8 +184,9 @@ def start_agent(
             )  # fmt: skip
     from forked_torchrun import serve_agent  # noqa: PLC0415
 
+    log.open("a" if append else "w").close()  # there when this returns, as with Popen
     process = _context().Process(
-        target=serve_agent, args=(command[1:], str(cwd), env, str(log), append)
+        target=serve_agent, args=(command[1:], str(cwd), env, str(log), True)
     )
     process.start()
     return ForkedAgent(process)

@@ -195,7 +195,7 @@ class AdamWMethod(Method):
         )  # fmt: skip
         assert isinstance(optimizer, SiteAdamW)
         optimizer.link = SiteLink(site_settings(config), dist.get_rank(), dist.get_world_size())
-        optimizer.bytes = compression
+        optimizer.counts = compression
         if self.hook.method != "none":
             cap = round(config.ddp_bucket_cap_mb * 2**20)
             optimizer.replicas = ReplicaExchange(compression, list(model.parameters()), cap)

@@ -37,16 +37,16 @@ from torchrun_ddp.sites.link import HealState, SiteLink
 class SiteAdamW(AdamW):
     """torch's AdamW whose gradients are averaged over the live sites (``exchange``, after
     backward) and whose step is skipped when that exchange was not committed (module
-    docstring). Set ``link`` and ``bytes`` before the first step, ``replicas`` for a
+    docstring). Set ``link`` and ``counts`` before the first step, ``replicas`` for a
     ``--compression`` hook across sites, ``steps`` once the trainer is built."""
 
     link: SiteLink | None = None
     committed: bool = True
     """Whether the last exchange was committed by every rank of this site."""
-    bytes: CompressionState | None = None
+    counts: CompressionState | None = None
     """The run's comm-hook state (``Trainer.compression``), which counts this rank's bytes."""
     replicas: ReplicaExchange | None = None
-    """The ``--compression`` hook's exchange over the live sites (its state ``bytes``), or None:
+    """The ``--compression`` hook's exchange over the live sites (its state ``counts``), or None:
     dense fp32 sums."""
     steps: Callable[[], int] = staticmethod(lambda: 0)
     """The optimizer steps completed (the trainer's ``step``): the hook's step at an exchange."""
@@ -68,7 +68,7 @@ class SiteAdamW(AdamW):
         is not committed (``committed`` then False, the gradients not to be used). Dense: fp32
         on the wire, 4 bytes per element of the rank's parameters per step; with ``replicas``:
         the comm hook's payload (``_compressed``). ``contribute`` False (a site's join) sends
-        zeros. The bytes sent are counted in ``bytes``."""
+        zeros. The bytes sent are counted in ``counts``."""
         link = self.site_link()
         if self.replicas is None:
             self.committed = self._dense(contribute)
@@ -88,9 +88,9 @@ class SiteAdamW(AdamW):
                 if param.grad is not None:
                     piece.copy_(local_tensor(param.grad).reshape(-1))
         committed = link.average(flat)
-        if self.bytes is not None:
-            self.bytes.count("all_reduce", flat.numel() * flat.element_size(), link.group)
-            self.bytes.comm_bytes_dense += dense_wire_bytes(flat.numel(), link.group.size())
+        if self.counts is not None:
+            self.counts.count("all_reduce", flat.numel() * flat.element_size(), link.group)
+            self.counts.comm_bytes_dense += dense_wire_bytes(flat.numel(), link.group.size())
         if not committed:
             return False
         flat.div_(max(1, link.participants))
@@ -107,21 +107,22 @@ class SiteAdamW(AdamW):
         A site that sends zeros (its join, or a heal in this sync) sends them through a scratch
         copy of the hook's state, so its own error feedback stays as it was."""
         link, replicas = self.site_link(), self.replicas
-        assert replicas is not None and self.bytes is not None
+        assert replicas is not None and self.counts is not None
+        sends = contribute and link.manager.is_participating()
         for param in self.trained():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            elif not (contribute and link.manager.is_participating()):
+            elif not sends:
                 param.grad.zero_()
-        if not (contribute and link.manager.is_participating()):
+        if not sends:
             scratch = CompressionState(replicas.state.settings, replicas.parameters)
             replicas = ReplicaExchange(scratch, replicas.parameters, replicas.bucket_cap_bytes)
         state = replicas.state
         state.process_group, state.world_size = link.group, max(1, link.participants)
         state.bf16_transport, state.step = "all_reduce", self.steps()
         replicas.average()
-        if state is not self.bytes:
-            self.bytes.add_step_bytes(state.pop_step_bytes())
+        if state is not self.counts:
+            self.counts.add_step_bytes(state.pop_step_bytes())
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """AdamW's step, skipped when the last exchange was not committed."""
