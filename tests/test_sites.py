@@ -34,12 +34,14 @@ from distributed_harness import (
     logged_losses,
     metrics_records,
     run_agent,
+    run_distributed,
     start_agent,
     subprocess_env,
     torchrun_command,
     worker_pids,
 )
 from test_elastic import _listening, _wait_for
+from tiny_models import train_in_group
 
 from torchrun_ddp.checkpoint.heal import FORMAT, decode, encode
 from torchrun_ddp.config_io import parse_config
@@ -518,3 +520,34 @@ def test_the_plan_shows_a_sites_healing_transfer() -> None:
     assert float(row.strip(" |").split(" | ")[1]) == pytest.approx(
         8 * 3 * trained * 4 / 2**30, abs=0.01
     )
+
+
+def test_the_plan_of_adamw_across_sites_runs_its_hook_across_the_replicas() -> None:
+    """AdamW through dct 0.25 bf16 across 2 sites of 8 ranks under hsdp: the plan's run is
+    FSDP inside a site plus the hook's exchange across the replicas (the sites), not FSDP's
+    native all-reduce of the shards."""
+    flags = ["--fault-tolerance", "sites", "--sites", "2", "--lighthouse", "h:1", *DCT]
+    plan = ["--data-parallel", "hsdp", "--plan-world-size", "16", "--plan-gpus-per-node", "8"]
+    text = dry_run(parse_config([*flags, *plan, "--plan-inter-node-gbit", "10"]), DistEnv())
+    [run] = [line for line in text.splitlines() if line.startswith("this run, per optimizer step")]
+    assert "the replicas: dct 0.25 bf16 row" in run, run
+    assert "native hsdp" not in run, run
+
+
+def _refused_worker(rank: int, world_size: int, argv: list[str]) -> str:
+    """The one-line refusal of a run on this rank (empty if it started)."""
+    try:
+        train_in_group(rank, world_size, argv)
+    except UserError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_hook_across_sites_refuses_hsdp_replicas_inside_a_site(tmp_path: Path) -> None:
+    """A site of 2 ranks under hsdp with --shard-degree 1 (2 replicas inside the site) and a
+    comm hook: refused before anything trains, on every rank (the hook runs between sites)."""
+    extra = ("--data-parallel", "hsdp", "--shard-degree", "1", *DCT)
+    argv = folder_args(tmp_path, "site-0", 4, *_sites_flags(0, "127.0.0.1:1", *extra))
+    refusals = run_distributed(_refused_worker, 2, argv)
+    assert all("set --shard-degree to the ranks of a site" in r for r in refusals), refusals
+    assert not (tmp_path / "site-0").exists() or not list((tmp_path / "site-0").iterdir())

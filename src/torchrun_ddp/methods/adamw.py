@@ -127,11 +127,9 @@ class AdamWMethod(Method):
         return state
 
     def exchanges_replicas(self, replicate_dim: bool) -> bool:
-        """hsdp with a --compression hook: the hook exchanges the shards across replicas
-        (across fault-tolerant sites FSDP's own all-reduce does inside a site, the hook across
-        sites)."""
-        inside_site = self.config.fault_tolerance == "sites"
-        return replicate_dim and self.hook.method != "none" and not inside_site
+        """hsdp with a --compression hook: the hook exchanges the shards across replicas (across
+        fault-tolerant sites the replicas are the sites, one per site: ``register_sharded``)."""
+        return replicate_dim and self.hook.method != "none"
 
     def register_sharded(
         self, model: torch.nn.Module, exchange: ShardedExchange, replicate: ProcessGroup | None
@@ -141,7 +139,17 @@ class AdamWMethod(Method):
         (``CompressionState.count_sharded_exchange``). With ``replicate`` (hsdp with a
         --compression hook) the hook averages the shards over that group after each step's
         backward (``compression.ReplicaExchange``, :meth:`after_backward`) and its state counts
-        the hook's bytes on top of FSDP's within the shard group."""
+        the hook's bytes on top of FSDP's within the shard group. Across fault-tolerant sites
+        the hook runs between the sites (``sites.adamw``), so a site holds one replica; raises
+        UserError for more."""
+        if replicate is not None and self.config.fault_tolerance == "sites":
+            if dist.get_world_size(replicate) > 1:
+                raise UserError(
+                    f"--compression {self.hook.method} across sites exchanges between the "
+                    "sites, one hsdp replica each; set --shard-degree to the ranks of a site, "
+                    "or use --compression none"
+                )
+            replicate = None  # the hook runs across sites (``sites.adamw``)
         if replicate is None:
             state = CompressionState(self.hook, model.parameters())
             state.count_sharded_exchange(exchange)
