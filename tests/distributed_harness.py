@@ -9,8 +9,8 @@ rank. A worker that raises fails the test with its traceback; a group that hangs
 ``torchrun_command(args)`` / ``torchrun(args)`` run ``train.py`` under the real torchrun launcher
 (c10d rendezvous on a free loopback port), always with a timeout; with ``forked=True`` through
 ``forked_torchrun.py``, whose ranks are forks of an agent that has imported the trainer, and
-which ``start_agent`` / ``run_agent`` fork from the fork server (an agent's start then costs
-about a second, not 8 s of imports).
+which ``start_agent`` / ``run_agent`` fork from the fork server (no fresh interpreter's imports:
+8.5 s of CPU for ``import torchrun_ddp.main``, docs/benchmarks.md#test-suite).
 
 ``reference_args`` is the fault and resume tests' one training config (its uninterrupted run is
 conftest.py's session fixture ``reference_run``); ``logged_losses``, ``metrics_records``,
@@ -174,8 +174,8 @@ def start_agent(
 ) -> Agent:
     """Start ``command`` (``torchrun_command``'s) with stdout and stderr into ``log``, in a
     session of its own. A forked command's agent (``forked=True``) is a fork of this worker's
-    fork server, which has the trainer imported (about 8 s of CPU less per start than a fresh
-    interpreter); any other command a subprocess."""
+    fork server, which has the trainer imported (a fresh interpreter's imports skipped,
+    docs/benchmarks.md#test-suite); any other command a subprocess."""
     if len(command) < 2 or Path(command[1]).name != "forked_torchrun.py":
         with log.open("a" if append else "w") as sink:
             return subprocess.Popen(
@@ -185,9 +185,7 @@ def start_agent(
     from forked_torchrun import serve_agent  # noqa: PLC0415
 
     log.open("a" if append else "w").close()  # there when this returns, as with Popen
-    process = _context().Process(
-        target=serve_agent, args=(command[1:], str(cwd), env, str(log), True)
-    )
+    process = _context().Process(target=serve_agent, args=(command[1:], str(cwd), env, str(log)))
     process.start()
     return ForkedAgent(process)
 

@@ -55,14 +55,13 @@ def launch() -> int:
     return 0
 
 
-def serve_agent(argv: list[str], cwd: str, env: dict[str, str], log: str, append: bool) -> None:
+def serve_agent(argv: list[str], cwd: str, env: dict[str, str], log: str) -> None:
     """The body of an agent forked from a test worker's fork server, which imported the trainer
     already (``distributed_harness.start_agent``): a session of its own, stdout and stderr
-    unbuffered into ``log`` (appended to with ``append``), ``env`` as its whole environment,
+    unbuffered, appended to ``log`` (which the caller created), ``env`` as its whole environment,
     ``cwd``, then torchrun's ``main`` on ``argv``; exits with its status."""
     os.setsid()
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-    sink = os.open(log, flags, 0o644)
+    sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for descriptor in (1, 2):
         os.dup2(sink, descriptor)
     os.close(sink)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,11 +18,13 @@ import pytest
 from distributed_harness import (
     PEAK,
     REPO,
+    Agent,
     assert_logged_once,
     free_port,
     kill_agent,
     logged_losses,
     run_distributed,
+    start_agent,
     subprocess_env,
     torchrun_command,
 )
@@ -89,13 +90,10 @@ def test_an_agent_leaves_and_another_joins(sample_data: Path, tmp_path: Path) ->
     port = free_port()
     command = torchrun_command(_args(sample_data, tmp_path), 1, "1:2", port, RDZV)  # type: ignore[arg-type]
     logs = [tmp_path / f"agent-{name}.log" for name in "abc"]
-    procs: list[subprocess.Popen] = []
+    procs: list[Agent] = []
 
-    def start(log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            command, cwd=REPO, env=subprocess_env(shared_store=False), stdout=log.open("w"),
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    def start(log: Path) -> Agent:
+        proc = start_agent(command, log, subprocess_env(shared_store=False))
         procs.append(proc)
         return proc
 

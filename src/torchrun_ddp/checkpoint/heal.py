@@ -10,7 +10,7 @@ This transport sends the state the way node-local recovery stores it (``transfer
 - a header: JSON (``split_tree``'s skeleton: tensors replaced by placeholders), the step, the
   payload's size in bytes and its SHA-256;
 - the payload: every tensor in one safetensors blob (``safetensors.torch.save``), sent in
-  chunks of ``CHUNK_BYTES``, hashed as it arrives.
+  chunks of ``CHUNK_BYTES`` into one buffer, hashed once it has all arrived.
 
 Both travel over the Manager's process group (torchft's reconfigured ``ProcessGroupGloo``), by
 point-to-point sends from the live group's rank to the same rank of the healing group. The

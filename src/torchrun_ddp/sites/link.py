@@ -117,11 +117,7 @@ class SiteLink:
         site commits the sync; ``participants`` is the sites summed. Raises RuntimeError when
         the quorum cannot be formed within the quorum timeout (the lighthouse unreachable past
         its retries)."""
-        self._quorum()
-        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
-        work.wait()
-        self.participants = self.manager.num_participants()
-        return self._vote()
+        return self.run(lambda: self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait())
 
     def run(self, exchange: Callable[[], None]) -> bool:
         """Collective over the live sites: take the quorum, set ``participants``, run
