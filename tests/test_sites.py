@@ -48,9 +48,12 @@ from torchrun_ddp.config_io import parse_config
 from torchrun_ddp.distributed import DistEnv
 from torchrun_ddp.dry_run import dry_run
 from torchrun_ddp.errors import UserError
+from torchrun_ddp.optim.demo import DemoSettings
+from torchrun_ddp.optim.exchange import InFlight
 from torchrun_ddp.sites import data_place, site_settings
 from torchrun_ddp.sites.adamw import SiteAdamW
 from torchrun_ddp.sites.check import HealCheck
+from torchrun_ddp.sites.demo import SiteDeMo
 from torchrun_ddp.sites.positions import Shared, pack, read_position, unpack, write_position
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
@@ -66,6 +69,8 @@ DCT = (
 )
 """AdamW's exchange through the dct hook (a quarter of each block's coefficients, in bf16)."""
 """AdamW: the gradients averaged over the live sites every step."""
+DEMO = ("--optimizer", "demo", "--demo-topk", "8")
+"""DeMo: every rank's top-k message gathered over the live sites every step."""
 SPARSELOCO = ("--optimizer", "sparseloco")
 """Given after DILOCO: the later --optimizer wins, the sync every other step stays."""
 SHARDED = (*SPARSELOCO, "--data-parallel", "hsdp", "--shard-degree", "2")
@@ -86,8 +91,14 @@ def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
         (["--site-id", "1"], "--site-id applies to --fault-tolerance sites only"),
         (["--fault-tolerance", "sites", "--sites", "2", "--site-id", "2", *DILOCO], "--site-id"),
         (
-            ["--fault-tolerance", "sites", "--sites", "2", "--optimizer", "demo"],
-            "--optimizer demo does not exchange across sites yet",
+            ["--fault-tolerance", "sites", "--sites", "2", "--optimizer", "demo",
+             "--overlap-exchange"],
+            "demo exchanges across sites without --overlap-exchange for now",
+        ),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", "--optimizer", "demo",
+             "--compression-scope", "inter-node"],
+            "demo exchanges across sites with --compression-scope global",
         ),
         (
             ["--fault-tolerance", "sites", "--sites", "2", "--compression", "powersgd"],
@@ -222,6 +233,25 @@ def test_an_adamw_step_whose_exchange_was_not_committed_is_dropped() -> None:
     assert (param.detach() < 1).all() and optimizer.state
 
 
+def test_a_demo_step_whose_exchange_was_not_committed_keeps_its_gradient_in_the_momentum() -> None:
+    """A site died during the step's exchange: no update, and what the message took out of the
+    momentum is put back (the step's gradient waits in it for the next exchange)."""
+    generator = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8, 8, generator=generator))
+    grad = torch.randn(8, 8, generator=generator)
+    param.grad = grad.clone()
+    optimizer = SiteDeMo([param], lr=0.1, settings=DemoSettings(topk=4, tile=8))
+    message = optimizer._compress(param, 0.1)
+    delta = optimizer.state[param]["delta"]
+    assert not torch.allclose(delta, 0.1 * grad)  # the message took part of it
+    before = param.detach().clone()
+    optimizer.committed = False
+    nothing = torch.zeros(0, message.numel(), dtype=torch.uint8)
+    optimizer._apply(InFlight(message, None, [(0.1, 0.0)], [nothing]))
+    assert torch.equal(param.detach(), before)
+    assert torch.allclose(delta, 0.1 * grad, atol=1e-7)
+
+
 # -- real processes --------------------------------------------------------------------------
 
 
@@ -315,8 +345,13 @@ def _assert_equal_replicas(base: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "ranks"),
-    [((*DILOCO, *SHARDED), 2), ((*ADAMW, *SHARDED[2:]), 2), ((*ADAMW, *DCT, *SHARDED[2:]), 2)],
-    ids=["sparseloco-hsdp-2x2", "adamw-hsdp-2x2", "adamw-dct-bf16-hsdp-2x2"],
+    [
+        ((*DILOCO, *SHARDED), 2),
+        ((*ADAMW, *SHARDED[2:]), 2),
+        ((*ADAMW, *DCT, *SHARDED[2:]), 2),
+        (DEMO, 1),
+    ],
+    ids=["sparseloco-hsdp-2x2", "adamw-hsdp-2x2", "adamw-dct-bf16-hsdp-2x2", "demo-2x1"],
 )
 def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_both_stop(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], ranks: int
@@ -355,19 +390,25 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_bot
         have = final_weights(tmp_path / f"out-{site}")
         for name, tensor in want.items():
             assert torch.equal(have[name], tensor), (site, name)
-    _assert_same_bytes_but_the_joins(tmp_path, "adamw" in method)
+    _assert_same_bytes_but_the_joins(tmp_path, _optimizer(method))
 
 
-def _assert_same_bytes_but_the_joins(base: Path, adamw: bool) -> None:
+def _optimizer(flags: tuple[str, ...]) -> str:
+    """The method ``flags`` choose (the last --optimizer wins)."""
+    return [flags[i + 1] for i, flag in enumerate(flags) if flag == "--optimizer"][-1]
+
+
+def _assert_same_bytes_but_the_joins(base: Path, optimizer: str) -> None:
     """What a rank of site 0 sends per step, its exchange across sites included, is what one
-    job's rank sends (SparseLoCo: plus its 24-byte header at each sync, every 2nd step); the
-    first step of each start (1 and 7) also carries the sites' join. AdamW's dense figure is the
-    one job's too."""
+    job's rank sends (plus the 24-byte header of a gathered message: SparseLoCo's at each sync,
+    every 2nd step, DeMo's every step); the first step of each start (1 and 7) also carries the
+    sites' join. AdamW's dense figure is the one job's too."""
+    adamw = optimizer == "adamw"
     sent, one_job = _step_bytes(base / "out-0"), _step_bytes(base / "one-job-out")
     for step in (1, 7):
         assert sent.pop(step)[0] > one_job.pop(step)[0], step
     for step, (wire, dense) in one_job.items():
-        header = 0 if adamw or step % 2 else 24
+        header = {"adamw": 0, "demo": 24}.get(optimizer, 0 if step % 2 else 24)
         assert sent[step][0] == wire + header, (step, sent[step], wire)
         assert not adamw or sent[step][1] == dense, (step, sent[step], dense)
 
@@ -390,8 +431,8 @@ def _both_trained(base: Path, step: int) -> bool:
 @pytest.mark.lighthouse_min(1)
 @pytest.mark.parametrize(
     ("method", "healed_at"),
-    [(DILOCO, 20), ((*ADAMW, *DCT), 21)],
-    ids=["diloco", "adamw-dct-bf16"],
+    [(DILOCO, 20), ((*ADAMW, *DCT), 21), (DEMO, 21)],
+    ids=["diloco", "adamw-dct-bf16", "demo"],
 )
 def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], healed_at: int
@@ -401,11 +442,12 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     new process has imported torch) until site 1 runs again; site 1 starts from nothing, heals
     in site 0's sync of step 20 (DiLoCo's, in the optimizer step after the hold) or 21
     (AdamW's exchange through the dct hook, after backward and before the hold: site 1 sends
-    zeros through a scratch copy of the hook's state), takes its own data position at its
-    last committed sync from site 0's copy, and both train to step 24. At the start both sites
-    wait before step 2 until both are ready: a site alone (the lighthouse's minimum is 1) that
-    reached its hold at step 20 before the other started would leave the other a quorum of
-    itself."""
+    zeros through a scratch copy of the hook's state; DeMo's every step, whose quorum also
+    starts before the hold, with a message marked as not taking part), takes its own data
+    position at its last committed sync from site 0's copy, and both train to step 24. At the
+    start both sites wait before step 2 until both are ready: a site alone (the lighthouse's
+    minimum is 1) that reached its hold at step 20 before the other started would leave the
+    other a quorum of itself."""
     steps, hold, started = 24, tmp_path / "hold", time.monotonic()
     logs = [tmp_path / f"site-{site}.log" for site in range(2)]
     paced = {**hook_env(perturb="hold:2,hold:20"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}

@@ -423,9 +423,8 @@ class TrainConfig:
         "none: one torchrun job over every node, a lost node restarts it "
         "(docs/fault-tolerance.md); sites: each site is its own torchrun job and a torchft "
         "replica group, the sites meet through a torchft lighthouse (--lighthouse), a lost "
-        "site's pseudo-gradient (or AdamW's gradient) is dropped and the others train on, and a "
-        "site that comes back "
-        "heals from a live one "
+        "site's pseudo-gradient (or AdamW's gradient, DeMo's message) is dropped and the others "
+        "train on, and a site that comes back heals from a live one "
         "(docs/fault-tolerance.md#fault-tolerant-sites).",
         choices=["none", "sites"],
     )

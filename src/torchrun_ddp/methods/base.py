@@ -136,8 +136,8 @@ class Method:
         """Why this method cannot exchange across fault-tolerant sites with ``config``
         (``--fault-tolerance sites``), as a clause naming the fix; "" when it can."""
         return (
-            f"--optimizer {cls.name} does not exchange across sites yet; use --optimizer diloco, "
-            "sparseloco or muloco"
+            f"--optimizer {cls.name} does not exchange across sites yet; use --optimizer adamw, "
+            "demo, diloco, sparseloco or muloco"
         )
 
     @classmethod

@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -31,6 +32,10 @@ from torchrun_ddp.optim import (
 )
 from torchrun_ddp.plan.communication import CommEstimate, Topology, demo_estimate
 from torchrun_ddp.plan.settings import Footprint
+from torchrun_ddp.sites import site_settings
+
+if TYPE_CHECKING:
+    from torchrun_ddp.sites.link import SiteLink
 
 log = logging.getLogger("torchrun_ddp")
 
@@ -73,6 +78,16 @@ class DeMoMethod(ExchangingMethod):
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
         self.settings = demo_settings(config)
+        self._site_link: SiteLink | None = None
+
+    @classmethod
+    def site_problem(cls, config: TrainConfig) -> str:
+        """DeMo exchanges across sites every step, flat and waited for."""
+        if config.overlap_exchange:
+            return "demo exchanges across sites without --overlap-exchange for now; drop it"
+        if config.compression_scope != "global":
+            return "demo exchanges across sites with --compression-scope global; drop it"
+        return ""
 
     @classmethod
     def footprint(cls) -> Footprint:
@@ -94,9 +109,34 @@ class DeMoMethod(ExchangingMethod):
         """``optim.build_demo`` over AdamW's two parameter groups."""
         config = self.config
         groups = parameter_groups(model, config.weight_decay)
+        if config.fault_tolerance == "sites":
+            return self._site_optimizer(groups, compression)
         group = self.exchange_group(compression)
         overlap = config.overlap_exchange
         return build_demo(groups, config.learning_rate, self.settings, compression, overlap, group)
+
+    def _site_optimizer(
+        self, groups: list[dict[str, object]], compression: CompressionState
+    ) -> Optimizer:
+        """DeMo whose all-gather spans the live sites every step, with its torchft Manager
+        (``sites.demo``; imports torchft, about 3 s, so only for runs across sites)."""
+        from torchrun_ddp.sites.demo import SiteDeMo  # noqa: PLC0415
+        from torchrun_ddp.sites.link import SiteLink  # noqa: PLC0415
+
+        config = self.config
+        optimizer = SiteDeMo(
+            groups, config.learning_rate, self.settings, process_group=compression.process_group,
+            counter=compression.count,
+        )  # fmt: skip
+        optimizer.link = SiteLink(site_settings(config), dist.get_rank(), dist.get_world_size())
+        self._site_link = optimizer.link
+        return optimizer
+
+    def before_forward(self) -> None:
+        """Across fault-tolerant sites: start the step's quorum, so that the lighthouse's round
+        trip overlaps forward and backward (``SiteLink.start_quorum``); nothing otherwise."""
+        if self._site_link is not None:
+            self._site_link.start_quorum()
 
     @property
     def demo(self) -> DeMo:
@@ -159,6 +199,11 @@ class DeMoMethod(ExchangingMethod):
             )
             rows.append((name, comm))
         return rows
+
+    def heal_bytes(self, sizes: PlanSizes) -> int:
+        """Across sites: the trained parameters in the weights' dtype (the momentum is each
+        rank's own and stays with it)."""
+        return sizes.weight_bytes * sizes.trained
 
     def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
         """One fp32 momentum per trained parameter, per rank."""

@@ -13,7 +13,7 @@ checkpoint's, or the start's), and its data position is its own at its last comm
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import cast
 
@@ -29,6 +29,13 @@ from torchrun_ddp.sites.adamw import (
     take_adamw_state,
     take_run_state,
 )
+from torchrun_ddp.sites.demo import (
+    SharedDeMo,
+    SiteDeMo,
+    demo_heal_state,
+    join_demo,
+    take_demo_state,
+)
 from torchrun_ddp.sites.link import HealState
 from torchrun_ddp.sites.positions import pack, read_position, unpack, write_position
 from torchrun_ddp.sites.sync import SiteSync
@@ -36,11 +43,15 @@ from torchrun_ddp.sites.sync import SiteSync
 log = logging.getLogger("torchrun_ddp")
 
 
-def site_optimizer(trainer: Trainer) -> SiteSync | SiteAdamW | None:
-    """The run's optimizer across sites (``SiteSync`` or ``SiteAdamW``) under
-    ``--fault-tolerance sites``, else None."""
+SiteOptimizer = SiteSync | SiteAdamW | SiteDeMo
+"""A run's optimizer across sites: a sync every few steps, or AdamW's or DeMo's exchange every
+step."""
+
+
+def site_optimizer(trainer: Trainer) -> SiteOptimizer | None:
+    """The run's optimizer across sites under ``--fault-tolerance sites``, else None."""
     optimizer = trainer.optimizer
-    return optimizer if isinstance(optimizer, (SiteSync, SiteAdamW)) else None
+    return optimizer if isinstance(optimizer, (SiteSync, SiteAdamW, SiteDeMo)) else None
 
 
 def heal_state(trainer: Trainer, optimizer: SiteSync, in_step: bool) -> HealState:
@@ -74,8 +85,28 @@ def join_sites(trainer: Trainer) -> None:
     optimizer = site_optimizer(trainer)
     if optimizer is None or optimizer.link is None:
         return
-    joining = [True]
     link, root, rank = optimizer.link, checkpoint_root(trainer.config), trainer.env.rank
+    joining = [True]
+    join = _register(trainer, optimizer, joining)
+    link.after_commit = lambda: write_position(
+        root, rank, trainer.step + 1, trainer.data.state_dict()
+    )
+    healed = join()
+    if healed:
+        log.info("sites: healed, training on from step %d", trainer.step)
+        take_own_position(trainer, root)
+    joining[0] = False
+    site = trainer.config.site_id
+    link.share = lambda digest: pack(site, trainer.step + 1, trainer.data.state_dict(), digest)
+
+
+def _register(
+    trainer: Trainer, optimizer: SiteOptimizer, joining: list[bool]
+) -> Callable[[], bool]:
+    """Tell ``optimizer``'s link what to send a healing peer, how to take a peer's state and
+    what to fingerprint after a heal; returns the optimizer's join. ``joining[0]``: whether the
+    join is still under way (a local-update method's sync inside an optimizer step counts it)."""
+    link = optimizer.site_link()
     if isinstance(optimizer, SiteAdamW):
         link.register(
             lambda: adamw_heal_state(trainer, optimizer),
@@ -83,24 +114,20 @@ def join_sites(trainer: Trainer) -> None:
         )
         link.check.fingerprint = lambda: state_digest({"adamw": SharedAdamW(optimizer)})
         optimizer.steps = lambda: trainer.step
-    else:
+        return lambda: join_adamw(trainer, optimizer)
+    if isinstance(optimizer, SiteDeMo):
         link.register(
-            lambda: heal_state(trainer, optimizer, not joining[0]),
-            lambda state: take_heal_state(trainer, optimizer, state, not joining[0]),
+            lambda: demo_heal_state(trainer, optimizer),
+            lambda state: take_demo_state(trainer, optimizer, state),
         )
-        link.check.fingerprint = lambda: state_digest({"outer": SyncedState(optimizer)})
-    link.after_commit = lambda: write_position(
-        root, rank, trainer.step + 1, trainer.data.state_dict()
+        link.check.fingerprint = lambda: state_digest({"demo": SharedDeMo(optimizer)})
+        return lambda: join_demo(trainer, optimizer)
+    link.register(
+        lambda: heal_state(trainer, optimizer, not joining[0]),
+        lambda state: take_heal_state(trainer, optimizer, state, not joining[0]),
     )
-    healed = (
-        join_adamw(trainer, optimizer) if isinstance(optimizer, SiteAdamW) else optimizer.join()
-    )
-    if healed:
-        log.info("sites: healed, training on from step %d", trainer.step)
-        take_own_position(trainer, root)
-    joining[0] = False
-    site = trainer.config.site_id
-    link.share = lambda digest: pack(site, trainer.step + 1, trainer.data.state_dict(), digest)
+    link.check.fingerprint = lambda: state_digest({"outer": SyncedState(optimizer)})
+    return optimizer.join
 
 
 def take_own_position(trainer: Trainer, root: Path) -> None:

@@ -1,31 +1,24 @@
 """SparseLoCo (and MuLoCo, which syncs as SparseLoCo does) across fault-tolerant sites: the
 same sync as ``optim.sparseloco.SparseLoCo``, its all-gather taken over the live sites through
-their torchft Managers (``SiteLink.gather``); dropped syncs and the join: ``sites.sync``.
+their torchft Managers (``sites.messages``); dropped syncs and the join: ``sites.sync``.
 
 At a sync each rank compresses its own pseudo-gradient with its own error feedback (its site's,
-never shared) and sends its message, behind a 24-byte header (whether it takes part in this
-sync, its site, its rank in the site), to the same rank of the live sites; with several ranks
-per site, the ranks of a site then all-gather what each received. Every rank keeps the
-messages of the sites that take part (not those of a site that joins or heals in this sync:
-torchft's all-reduce gives those zero weight, an all-gather must drop them by hand), orders
-them by site, then rank, which is one torchrun job's rank order over the same ranks, and
-decodes their mean as SparseLoCo does. With every site up the run is one torchrun job's over
-the same ranks, bit for bit (the same messages, decoded in the same order).
+never shared), the messages of the live sites that take part are gathered in one torchrun job's
+rank order, and every rank decodes their mean as SparseLoCo does. With every site up the run is
+one torchrun job's over the same ranks, bit for bit (the same messages, decoded in the same
+order).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from torchrun_ddp.optim.exchange import InFlight
 from torchrun_ddp.optim.local_updates import PendingSync
 from torchrun_ddp.optim.sparseloco import SparseLoCo
 from torchrun_ddp.optim.sparseloco_codec import decode_mean
+from torchrun_ddp.sites.messages import gather_messages
 from torchrun_ddp.sites.sync import SiteSync
-
-HEADER = 3
-"""int64 values before a message: takes part (1 or 0), site, rank in the site."""
 
 
 class SiteSparseLoCo(SiteSync, SparseLoCo):
@@ -69,38 +62,10 @@ class SiteSparseLoCo(SiteSync, SparseLoCo):
 
     def _site_rows(self, payload: torch.Tensor, joining: bool) -> torch.Tensor:
         """Every live site's rank's message of this sync that takes part, uint8 [senders,
-        message bytes], by site then rank (empty when the sync is not committed). Sets
-        ``committed``."""
-        link = self.site_link()
-        rank = dist.get_rank(self.process_group)
-
-        def blob(participating: bool) -> torch.Tensor:
-            header = torch.tensor([int(participating and not joining), link.site, rank])
-            return torch.cat([header.view(torch.uint8), payload.cpu()])
-
-        self.committed, blobs = link.gather(blob)
-        self._count_across("all_gather", 8 * HEADER + payload.numel())
-        if not self.committed or not blobs:
-            return torch.zeros(0, payload.numel(), dtype=torch.uint8)
-        stacked = torch.stack(blobs)
-        if dist.get_world_size(self.process_group) > 1:
-            stacked = self._site_all_gather(stacked)
-        head = stacked[:, : 8 * HEADER].contiguous().view(torch.int64)
-        keep = sorted(
-            (int(site), int(member), row)
-            for row, (flag, site, member) in enumerate(head.tolist())
-            if flag
-        )
-        return stacked[[row for _, _, row in keep], 8 * HEADER :]
-
-    def _site_all_gather(self, stacked: torch.Tensor) -> torch.Tensor:
-        """What each rank of this site received (uint8 [sites, bytes], the same shape on every
-        rank of a committed sync), gathered over the site: [ranks x sites, bytes]."""
-        device = self.synced[0].device
-        parts = [
-            torch.empty_like(stacked, device=device)
-            for _ in range(dist.get_world_size(self.process_group))
-        ]
-        self._count("all_gather", stacked.numel())
-        dist.all_gather(parts, stacked.to(device), group=self.process_group)
-        return torch.cat(parts).cpu()
+        message bytes], by site then rank (empty when the sync is not committed;
+        ``sites.messages``). Sets ``committed``."""
+        self.committed, rows = gather_messages(
+            self.site_link(), payload, self.process_group, joining, self.counter,
+            self.synced[0].device,
+        )  # fmt: skip
+        return rows
