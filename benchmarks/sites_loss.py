@@ -12,9 +12,10 @@ the launch of ``sites_goodput.py``), ``--steps`` steps each:
 
 Both runs end with a held-out evaluation over ``--eval-batches`` batches. Prints, per seed, the
 uninterrupted and the killed run's final held-out loss (site 0's; site 1's is compared), the
-kill step, whether the two sites' final weights are bit-identical, and whether each killed
-run's loss lies within the uninterrupted seeds' [min, max] and within their mean +- 2 standard
-deviations.
+kill step, the steps site 1 missed (from the kill to its first step after it healed) and the
+share of the uninterrupted run's windows the killed run trained, whether the two sites' final
+weights are bit-identical, and whether each killed run's loss lies within the uninterrupted
+seeds' [min, max] and within their mean +- 2 standard deviations.
 
 Usage: uv run python benchmarks/sites_loss.py [--seeds 3] [--steps 2000] [--down-s 10]
     [--keep-disk] [--eval-batches 40] [--out DIR]
@@ -50,12 +51,20 @@ Starter = Callable[[], subprocess.Popen[bytes]]
 @dataclass
 class Outcome:
     """One run's result: the final held-out loss of each site, whether their final weights
-    are bit-identical, and the step at which site 1 was killed (0: not killed)."""
+    are bit-identical, the step at which site 1 was killed (0: not killed), the steps it missed
+    before it trained again, and the run's steps."""
 
     seed: int
     losses: tuple[float, float]
     equal: bool
     killed_at: int
+    away: int = 0
+    steps: int = 0
+
+    @property
+    def windows(self) -> float:
+        """The share of an uninterrupted run's windows (2 sites x its steps) this run trained."""
+        return 1.0 - self.away / (2 * self.steps) if self.steps else 1.0
 
 
 def final_loss(out: Path) -> float:
@@ -70,6 +79,12 @@ def newest_step(out: Path) -> int:
     """The newest training step in ``out``'s metrics.jsonl (0 before the first)."""
     steps = [r["step"] for r in read_records(out / "metrics.jsonl") if "loss" in r]
     return max((int(step) for step in steps if isinstance(step, int)), default=0)
+
+
+def first_step_after(out: Path, step: int) -> int:
+    """The first training step after ``step`` in ``out``'s metrics.jsonl (0 if none)."""
+    steps = [r["step"] for r in read_records(out / "metrics.jsonl") if "loss" in r]
+    return min((int(s) for s in steps if isinstance(s, int) and s > step), default=0)
 
 
 def same_weights(base: Path) -> bool:
@@ -109,7 +124,8 @@ def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcom
             if proc.poll() is None:
                 kill_tree(proc)
     losses = (final_loss(base / "out-0"), final_loss(base / "out-1"))
-    return Outcome(seed, losses, same_weights(base), kill_at)
+    away = first_step_after(base / "out-1", kill_at) - kill_at - 1 if kill_at else 0
+    return Outcome(seed, losses, same_weights(base), kill_at, away, args.steps)
 
 
 def _starter(
@@ -149,8 +165,8 @@ def rows(clean: list[Outcome], killed: list[Outcome]) -> list[list[str]]:
         span, sigma = within(hit.losses[0], spread)
         table.append([
             str(plain.seed), f"{plain.losses[0]:.4f}", f"{hit.losses[0]:.4f}",
-            f"{hit.losses[1]:.4f}", str(hit.killed_at), "yes" if hit.equal else "NO",
-            "yes" if span else "no", "yes" if sigma else "no",
+            f"{hit.losses[1]:.4f}", str(hit.killed_at), str(hit.away), f"{hit.windows:.1%}",
+            "yes" if hit.equal else "NO", "yes" if span else "no", "yes" if sigma else "no",
         ])  # fmt: skip
     return table
 
@@ -192,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"seed {seed} {name}: {into[-1]}", flush=True)
     header = [
         "seed", "uninterrupted", "killed: site 0", "killed: site 1", "kill at step",
-        "sites bit-identical", "within [min, max]", "within mean +- 2 sd",
+        "site 1 away (steps)", "windows trained", "sites bit-identical", "within [min, max]",
+        "within mean +- 2 sd",
     ]  # fmt: skip
     print(markdown_table(header, rows(clean, killed)))
     spread = [outcome.losses[0] for outcome in clean]

@@ -21,7 +21,7 @@ def test_a_loss_is_judged_against_the_seeds_range_and_two_deviations() -> None:
 
 def test_the_rows_flag_a_loss_out_of_spread_and_sites_that_differ() -> None:
     clean = [Outcome(seed, (loss, loss), True, 0) for seed, loss in ((1, 4.0), (2, 4.2))]
-    killed = [Outcome(1, (4.1, 4.1), True, 300), Outcome(2, (5.0, 4.9), False, 250)]
+    killed = [Outcome(1, (4.1, 4.1), True, 300, 200, 1000), Outcome(2, (5.0, 4.9), False, 250)]
     first, second = rows(clean, killed)
-    assert first == ["1", "4.0000", "4.1000", "4.1000", "300", "yes", "yes", "yes"]
-    assert second[2:] == ["5.0000", "4.9000", "250", "NO", "no", "no"]
+    assert first == ["1", "4.0000", "4.1000", "4.1000", "300", "200", "90.0%", "yes", "yes", "yes"]
+    assert second[2:] == ["5.0000", "4.9000", "250", "0", "100.0%", "NO", "no", "no"]

@@ -5,7 +5,8 @@ torchrun job's rank order, so with every site up the run is that job's, bit for 
 Each rank's momentum is its own (its site's, never sent or healed). A step whose exchange is not
 committed (a site died during it) is dropped: no parameter update, and what this rank's message
 took out of its momentum is put back, so the step's gradient stays in the momentum for the next
-one (in fp32: the sum may differ from the momentum before in its last bit).
+one (in fp32: the sum may differ from the momentum before in its last bit); so is a message that
+the exchange did not use because this site healed in it.
 
 A site that starts or restarts joins (``join_demo``) with a message marked as not taking part,
 in the live sites' exchange of their next step; a site behind them heals in it from a live one
@@ -60,6 +61,7 @@ class SiteExchange(MessageExchange):
             link, payload, self.process_group, self.joining, self.counter, payload.device
         )
         self.owner.committed = committed
+        self.owner.included = link.manager.is_participating() and not self.joining
         if committed and not self.joining:
             link.after_commit()
         return InFlight(payload, None, lrs, [rows.to(payload.device)])
@@ -77,6 +79,9 @@ class SiteDeMo(DeMo):
     link: SiteLink | None = None
     committed: bool = True
     """Whether the last exchange was committed by every rank of this site."""
+    included: bool = True
+    """Whether the last exchange used this rank's message (False in a site's join, or in an
+    exchange in which this site heals)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -93,12 +98,13 @@ class SiteDeMo(DeMo):
         return self._trained()
 
     def _apply(self, flight: InFlight) -> None:
-        """DeMo's update from the gathered messages; for an exchange not committed, this rank's
-        own message back into its momentum instead."""
+        """DeMo's update from the gathered messages; this rank's own message back into its
+        momentum where the exchange did not use it: not committed (no update then), or this
+        site healed in it."""
+        if not (self.committed and self.included):
+            self._unsend(flight.buffer)
         if self.committed and flight.rows[0].numel():
             super()._apply(flight)
-        elif not self.committed:
-            self._unsend(flight.buffer)
 
     def _unsend(self, payload: torch.Tensor) -> None:
         """Add back to each momentum what ``_compress`` took out for ``payload``."""
