@@ -54,7 +54,14 @@ from torchrun_ddp.sites import data_place, site_settings
 from torchrun_ddp.sites.adamw import SiteAdamW
 from torchrun_ddp.sites.check import HealCheck
 from torchrun_ddp.sites.demo import SiteDeMo
-from torchrun_ddp.sites.positions import Shared, pack, read_position, unpack, write_position
+from torchrun_ddp.sites.positions import (
+    Shared,
+    pack,
+    position_files,
+    read_position,
+    unpack,
+    write_position,
+)
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
@@ -176,7 +183,7 @@ def test_the_healing_transfer_round_trips_and_refuses_a_changed_payload() -> Non
 
 def test_a_data_position_round_trips_on_disk_and_between_sites(tmp_path: Path) -> None:
     position = {"epoch": 1, "offsets": torch.tensor([3, 5]), "nested": {"tokens": [1, 2]}}
-    write_position(tmp_path, 1, 12, position)
+    write_position(tmp_path, 1, pack(0, 12, position))
     step, back = read_position(tmp_path, 1) or (0, {})
     assert step == 12 and back["epoch"] == 1 and back["nested"] == {"tokens": [1, 2]}
     assert torch.equal(back["offsets"], position["offsets"])
@@ -188,6 +195,18 @@ def test_a_data_position_round_trips_on_disk_and_between_sites(tmp_path: Path) -
     blob[-1] ^= 0xFF
     with pytest.raises(ValueError, match="SHA-256"):
         unpack(blob)
+    write_position(tmp_path, 1, blob)  # a record damaged on disk is refused, not trusted
+    with pytest.raises(ValueError, match="SHA-256"):
+        read_position(tmp_path, 1)
+
+
+def test_a_data_position_recorded_by_an_earlier_version_is_still_read(tmp_path: Path) -> None:
+    """Before the packed record: a JSON header and a safetensors payload per rank."""
+    header, payload = encode({"data": {"epoch": 2}}, 9)
+    for path, data in zip(position_files(tmp_path, 0), (header, payload), strict=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    assert read_position(tmp_path, 0) == (9, {"epoch": 2})
 
 
 def test_replicas_are_compared_at_the_first_sync_after_a_heal(

@@ -20,6 +20,8 @@ from torchrun_ddp.parallel.shards import local_tensor
 
 TENSOR = "__tensor__"
 TUPLE = "__tuple__"
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+"""JSON scalar types, exactly (a subclass such as a numpy scalar goes the long way)."""
 
 
 def split_tree(tree: object, path: str, tensors: dict[str, torch.Tensor]) -> object:
@@ -41,6 +43,9 @@ def split_tree(tree: object, path: str, tensors: dict[str, torch.Tensor]) -> obj
             out[key] = split_tree(value, f"{path}/{key}" if path else key, tensors)
         return out
     if isinstance(tree, list | tuple):
+        if all(type(value) in _SCALARS for value in tree):  # a data position's token ids
+            items = list(tree)
+            return {TUPLE: items} if isinstance(tree, tuple) else items
         items = [split_tree(value, f"{path}/{index}", tensors) for index, value in enumerate(tree)]
         return {TUPLE: items} if isinstance(tree, tuple) else items
     if tree is None or isinstance(tree, bool | int | float | str):

@@ -88,9 +88,7 @@ def join_sites(trainer: Trainer) -> None:
     link, root, rank = optimizer.link, checkpoint_root(trainer.config), trainer.env.rank
     joining = [True]
     join = _register(trainer, optimizer, joining)
-    link.after_commit = lambda: write_position(
-        root, rank, trainer.step + 1, trainer.data.state_dict()
-    )
+    link.after_commit = lambda: write_position(root, rank, link.shared)
     healed = join()
     if healed:
         log.info("sites: healed, training on from step %d", trainer.step)

@@ -63,6 +63,9 @@ class SiteLink:
         self.share: Callable[[str], torch.Tensor] = lambda digest: torch.zeros(0, dtype=torch.uint8)
         """This rank's packed data position, with the given digest, to share at a sync
         (``positions.pack``; empty: none, as in a site's join)."""
+        self.shared = torch.zeros(0, dtype=torch.uint8)
+        """What this rank shared at the last sync (``share``'s blob): after a commit, its record
+        on disk (``positions.write_position``)."""
         self.check = HealCheck(settings.site_id)
         self.site = settings.site_id
         self.book: dict[int, torch.Tensor] = {}
@@ -169,7 +172,8 @@ class SiteLink:
     def _vote(self) -> bool:
         """Share the data positions (``_all_gather``), vote, and on a commit file the sites'
         positions in the book; the replica check after a heal (``HealCheck``)."""
-        gathered = self._all_gather(self.share(self.check.due()))
+        self.shared = self.share(self.check.due())
+        gathered = self._all_gather(self.shared)
         committed = self.manager.should_commit()
         shared = [unpack(blob) for blob in filter(torch.Tensor.numel, gathered)]
         if committed:

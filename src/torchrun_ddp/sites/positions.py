@@ -4,9 +4,9 @@ A site that dies loses the documents of its uncommitted window: they never reach
 parameters. When it comes back and heals, it goes on from its data position at its last
 committed sync, not from its last checkpoint's (which may be older: those documents would be
 trained twice) nor from the live site's step (they would be skipped). Each rank writes the
-position after every committed sync to ``<checkpoint root>/sites/rank-<r>.json`` and
-``.safetensors`` (``heal.encode``: JSON + safetensors + SHA-256, never a pickle; written to a
-temporary name and renamed, so a kill mid-write leaves the previous record).
+position after every committed sync to ``<checkpoint root>/sites/rank-<r>.position``: the blob
+it shared in that sync (``pack``: JSON + safetensors + SHA-256, never a pickle; encoded once for
+both), written to a temporary name and renamed, so a kill mid-write leaves the previous record.
 
 A copy on the peers, for a site whose disk is gone: at every sync each rank shares its packed
 position (``pack``) with the same rank of the live sites (``gather_blobs`` on the Managers'
@@ -33,24 +33,38 @@ from torchrun_ddp.checkpoint.ranks import json_int, json_object
 
 
 def position_files(root: Path, rank: int) -> tuple[Path, Path]:
-    """``(header, payload)`` paths of ``rank``'s record under the checkpoint ``root``."""
+    """``(header, payload)`` paths of ``rank``'s record under the checkpoint ``root`` as
+    versions before the packed record wrote it (still read, ``read_position``)."""
     folder = root / "sites"
     return folder / f"rank-{rank}.json", folder / f"rank-{rank}.safetensors"
 
 
-def write_position(root: Path, rank: int, step: int, position: Mapping[str, object]) -> None:
-    """Record ``position`` (a data loader's state: JSON values and tensors) as of ``step``."""
-    header, payload = encode({"data": position}, step)
-    for path, data in zip(position_files(root, rank), (header, payload), strict=True):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(path.suffix + ".tmp")
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
+def record_file(root: Path, rank: int) -> Path:
+    """The path of ``rank``'s record under the checkpoint ``root``: ``pack``'s bytes."""
+    return root / "sites" / f"rank-{rank}.position"
+
+
+def write_position(root: Path, rank: int, blob: torch.Tensor) -> None:
+    """Record ``blob`` (``pack``'s: the data position this rank shared at the sync just
+    committed) as its last committed sync's, replacing the previous record only once it is
+    written whole (a temporary name, then a rename). An empty blob (none shared) writes
+    nothing."""
+    if not blob.numel():
+        return
+    path = record_file(root, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_bytes(blob.numpy().tobytes())
+    os.replace(temporary, path)
 
 
 def read_position(root: Path, rank: int) -> tuple[int, Mapping[str, object]] | None:
     """``(step, position)`` of ``rank``'s record, or None where there is none. Raises
     ValueError for a record whose payload does not match its header (size or SHA-256)."""
+    path = record_file(root, rank)
+    if path.is_file():
+        shared = unpack(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
+        return shared.step, shared.position
     header_path, payload_path = position_files(root, rank)
     if not header_path.is_file() or not payload_path.is_file():
         return None
