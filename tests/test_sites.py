@@ -19,10 +19,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed_harness import (
     Agent,
     assert_logged_once,
@@ -55,10 +57,13 @@ from torchrun_ddp.sites.adamw import SiteAdamW
 from torchrun_ddp.sites.check import HealCheck
 from torchrun_ddp.sites.demo import SiteDeMo
 from torchrun_ddp.sites.positions import (
+    GATHER_BYTES,
     Shared,
+    gather_blobs,
     pack,
     position_files,
     read_position,
+    record_files,
     unpack,
     write_position,
 )
@@ -198,6 +203,34 @@ def test_a_data_position_round_trips_on_disk_and_between_sites(tmp_path: Path) -
     write_position(tmp_path, 1, blob)  # a record damaged on disk is refused, not trusted
     with pytest.raises(ValueError, match="SHA-256"):
         read_position(tmp_path, 1)
+
+
+def test_a_record_torn_by_a_kill_leaves_the_one_before(tmp_path: Path) -> None:
+    """The two slots are written in turn; a slot cut short reads as damaged and the other's
+    record is taken; a shorter record over a longer one's bytes ignores their tail."""
+    long = {"carry": list(range(500))}
+    write_position(tmp_path, 0, pack(0, 11, long))
+    write_position(tmp_path, 0, pack(0, 12, {"carry": []}))
+    assert read_position(tmp_path, 0) == (12, {"carry": []})
+    write_position(tmp_path, 0, pack(0, 13, {"carry": [1]}))  # over step 11's longer bytes
+    assert read_position(tmp_path, 0) == (13, {"carry": [1]})
+    newest = record_files(tmp_path, 0)[1]
+    newest.write_bytes(newest.read_bytes()[:40])  # a kill mid-write
+    assert read_position(tmp_path, 0) == (12, {"carry": []})
+
+
+def _gathered(rank: int, world_size: int) -> list[bytes]:
+    group = dist.group.WORLD
+    assert group is not None
+    size = 10 if rank == 0 else GATHER_BYTES + 5  # one fits the single all-gather, one does not
+    blob = torch.full((size,), rank + 1, dtype=torch.uint8)
+    small = gather_blobs(group, torch.tensor([rank + 7], dtype=torch.uint8), timedelta(seconds=60))
+    return [bytes(b.numpy()) for b in [*small, *gather_blobs(group, blob, timedelta(seconds=60))]]
+
+
+def test_the_sites_share_blobs_of_any_length() -> None:
+    for got in run_distributed(_gathered, 2):
+        assert got == [b"\x07", b"\x08", b"\x01" * 10, b"\x02" * (GATHER_BYTES + 5)]
 
 
 def test_a_data_position_recorded_by_an_earlier_version_is_still_read(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from torchft.process_group import ProcessGroupGloo
 from torchrun_ddp.checkpoint.heal import HealTransport
 from torchrun_ddp.checkpoint.ranks import collective_device
 from torchrun_ddp.sites.check import HealCheck
-from torchrun_ddp.sites.positions import gather_blobs, unpack
+from torchrun_ddp.sites.positions import gather_blobs, peek
 from torchrun_ddp.sites.settings import SiteSettings
 
 log = logging.getLogger("torchrun_ddp")
@@ -175,7 +175,7 @@ class SiteLink:
         self.shared = self.share(self.check.due())
         gathered = self._all_gather(self.shared)
         committed = self.manager.should_commit()
-        shared = [unpack(blob) for blob in filter(torch.Tensor.numel, gathered)]
+        shared = [peek(blob) for blob in filter(torch.Tensor.numel, gathered)]
         if committed:
             for entry, blob in zip(shared, filter(torch.Tensor.numel, gathered), strict=True):
                 self.book[entry.site] = blob

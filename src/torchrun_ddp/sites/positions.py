@@ -4,9 +4,9 @@ A site that dies loses the documents of its uncommitted window: they never reach
 parameters. When it comes back and heals, it goes on from its data position at its last
 committed sync, not from its last checkpoint's (which may be older: those documents would be
 trained twice) nor from the live site's step (they would be skipped). Each rank writes the
-position after every committed sync to ``<checkpoint root>/sites/rank-<r>.position``: the blob
-it shared in that sync (``pack``: JSON + safetensors + SHA-256, never a pickle; encoded once for
-both), written to a temporary name and renamed, so a kill mid-write leaves the previous record.
+position after every committed sync under ``<checkpoint root>/sites/``: the blob it shared in
+that sync (``pack``: JSON + safetensors + SHA-256, never a pickle; encoded once for both), into
+one of two slots in turn (``record_files``), so a kill mid-write leaves the previous record.
 
 A copy on the peers, for a site whose disk is gone: at every sync each rank shares its packed
 position (``pack``) with the same rank of the live sites (``gather_blobs`` on the Managers'
@@ -17,7 +17,6 @@ healing site receives the live site's book with its state and takes its own entr
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,7 +28,11 @@ from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from torchrun_ddp.checkpoint.heal import decode, encode
-from torchrun_ddp.checkpoint.ranks import json_int, json_object
+from torchrun_ddp.checkpoint.ranks import JsonObject, json_int, json_object
+
+GATHER_BYTES = 64 * 2**10
+"""Bytes per member of the one all-gather that shares the sites' data positions at a sync (a
+position of a few KiB; a longer one takes a second all-gather)."""
 
 
 def position_files(root: Path, rank: int) -> tuple[Path, Path]:
@@ -39,32 +42,49 @@ def position_files(root: Path, rank: int) -> tuple[Path, Path]:
     return folder / f"rank-{rank}.json", folder / f"rank-{rank}.safetensors"
 
 
-def record_file(root: Path, rank: int) -> Path:
-    """The path of ``rank``'s record under the checkpoint ``root``: ``pack``'s bytes."""
-    return root / "sites" / f"rank-{rank}.position"
+def record_files(root: Path, rank: int) -> tuple[Path, Path]:
+    """The two slots of ``rank``'s record under the checkpoint ``root``, written in turn (by
+    the step's parity), each ``pack``'s bytes: a kill mid-write spoils one, the other holds the
+    record before."""
+    folder = root / "sites"
+    return folder / f"rank-{rank}.position.0", folder / f"rank-{rank}.position.1"
 
 
 def write_position(root: Path, rank: int, blob: torch.Tensor) -> None:
     """Record ``blob`` (``pack``'s: the data position this rank shared at the sync just
-    committed) as its last committed sync's, replacing the previous record only once it is
-    written whole (a temporary name, then a rename). An empty blob (none shared) writes
-    nothing."""
+    committed) as its last committed sync's, in the slot of its step's parity, over the old
+    bytes in place (no truncation, no rename: on ext4 either costs 20 times the write; the
+    blob says its own length). An empty blob (none shared) writes nothing."""
     if not blob.numel():
         return
-    path = record_file(root, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_bytes(blob.numpy().tobytes())
-    os.replace(temporary, path)
+    path = record_files(root, rank)[peek(blob).step % 2]
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    with path.open("r+b") as handle:
+        handle.write(blob.numpy().tobytes())
 
 
 def read_position(root: Path, rank: int) -> tuple[int, Mapping[str, object]] | None:
-    """``(step, position)`` of ``rank``'s record, or None where there is none. Raises
-    ValueError for a record whose payload does not match its header (size or SHA-256)."""
-    path = record_file(root, rank)
-    if path.is_file():
-        shared = unpack(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
-        return shared.step, shared.position
+    """``(step, position)`` of ``rank``'s newest intact record, or None where there is none.
+    Raises ValueError where every slot is damaged (its payload does not match its header:
+    size or SHA-256)."""
+    found, damaged = [], None
+    for path in filter(Path.is_file, record_files(root, rank)):
+        try:
+            found.append(unpack(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)))
+        except ValueError as exc:  # a write that a kill cut short
+            damaged = exc
+    if found:
+        newest = max(found, key=lambda shared: shared.step)
+        return newest.step, newest.position
+    if damaged is not None:
+        raise damaged
+    return _read_two_files(root, rank)
+
+
+def _read_two_files(root: Path, rank: int) -> tuple[int, Mapping[str, object]] | None:
+    """A record as versions before the packed record wrote it (JSON header, payload)."""
     header_path, payload_path = position_files(root, rank)
     if not header_path.is_file() or not payload_path.is_file():
         return None
@@ -97,18 +117,35 @@ def pack(site: int, step: int, position: Mapping[str, object], digest: str = "")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def unpack(blob: torch.Tensor) -> Shared:
-    """``pack``'s inverse. Raises ValueError for a blob whose parts do not match its header
-    (sizes, SHA-256)."""
-    data = blob.numpy().tobytes()
+def _header(data: bytes) -> tuple[JsonObject, int]:
+    """A packed blob's header and where its payload starts."""
     size = int.from_bytes(data[:8], "little")
     if not 0 < size <= len(data) - 8:
         raise ValueError(f"a data position's copy announces a {size}-byte header")
-    header = json_object(json.loads(data[8 : 8 + size]))
+    return json_object(json.loads(data[8 : 8 + size])), 8 + size
+
+
+def unpack(blob: torch.Tensor) -> Shared:
+    """``pack``'s inverse (bytes past the payload's announced size are ignored: an older,
+    longer record's tail). Raises ValueError for a blob whose parts do not match its header
+    (sizes, SHA-256)."""
+    data = blob.numpy().tobytes()
+    header, start = _header(data)
     step = json_int(header.get("step"))
-    state = json_object(decode(header, data[8 + size :], step))
+    payload = data[start : start + json_int(header.get("bytes"))]
+    state = json_object(decode(header, payload, step))
     position = cast(Mapping[str, object], state["data"])
     return Shared(json_int(state["site"]), step, position, str(state.get("digest", "")))
+
+
+def peek(blob: torch.Tensor) -> Shared:
+    """A packed blob's site, step and digest from its JSON header alone, without the position
+    (not decoded, nor checked against its SHA-256: ``unpack`` does both where it is used).
+    Raises ValueError for a header that is not such a blob's."""
+    header, _ = _header(blob.numpy().tobytes())
+    tree = json_object(header.get("tree"))
+    digest = tree.get("digest", "")
+    return Shared(json_int(tree.get("site")), json_int(header.get("step")), {}, str(digest))
 
 
 def differing_sites(mine: Shared, shared: list[Shared]) -> list[int]:
@@ -121,14 +158,22 @@ def differing_sites(mine: Shared, shared: list[Shared]) -> list[int]:
 
 def gather_blobs(group: ProcessGroup, blob: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
     """Collective over ``group`` (the live sites' rank ``r``): every member's ``blob`` (uint8,
-    any length; empty: nothing to share), in the group's rank order."""
+    any length; empty: nothing to share), in the group's rank order. One all-gather of
+    ``GATHER_BYTES`` per member (the length, then the blob) where every blob fits, a second of
+    the longest where one does not."""
     options = AllgatherOptions()
-    length = torch.tensor([blob.numel()], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
-    group.allgather([lengths], [length], options).wait(timeout)
-    longest = max(int(size.item()) for size in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    slot = torch.zeros(GATHER_BYTES, dtype=torch.uint8)
+    slot[:8] = torch.tensor([blob.numel()], dtype=torch.int64).view(torch.uint8)
+    fits = blob.numel() <= GATHER_BYTES - 8
+    if fits:
+        slot[8 : 8 + blob.numel()] = blob
+    gathered = [torch.zeros(GATHER_BYTES, dtype=torch.uint8) for _ in range(group.size())]
+    group.allgather([gathered], [slot], options).wait(timeout)
+    lengths = [int(data[:8].view(torch.int64).item()) for data in gathered]
+    if max(lengths) <= GATHER_BYTES - 8:
+        return [data[8 : 8 + size].clone() for data, size in zip(gathered, lengths, strict=True)]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
     padded[: blob.numel()] = blob
-    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in lengths]
-    group.allgather([gathered], [padded], options).wait(timeout)
-    return [data[: int(size.item())].clone() for data, size in zip(gathered, lengths, strict=True)]
+    whole = [torch.zeros(max(lengths), dtype=torch.uint8) for _ in lengths]
+    group.allgather([whole], [padded], options).wait(timeout)
+    return [data[:size].clone() for data, size in zip(whole, lengths, strict=True)]
