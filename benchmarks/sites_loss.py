@@ -10,20 +10,24 @@ the launch of ``sites_goodput.py``), ``--steps`` steps each:
   the seed between 1/4 and 1/2 of the run, its checkpoint and output folders deleted (a new
   machine; ``--keep-disk`` keeps them), and started again ``--down-s`` later; site 0 trains on.
 
-Both runs end with a held-out evaluation over ``--eval-batches`` batches. Prints, per seed, the
-uninterrupted and the killed run's final held-out loss (site 0's; site 1's is compared), the
-kill step, the steps site 1 missed (from the kill to its first step after it healed) and the
-share of the uninterrupted run's windows the killed run trained, whether the two sites' final
-weights are bit-identical, and whether each killed run's loss lies within the uninterrupted
-seeds' [min, max] and within their mean +- 2 standard deviations.
+Both runs evaluate on held-out data (``--eval-batches`` batches) every ``--eval-every`` steps
+(by default 1,000: the bottoms of tiny.toml's 1,000-step cosine cycles) and at the end. Prints,
+per seed, the uninterrupted and the killed run's final held-out loss (site 0's; site 1's is
+compared), the kill step, the steps site 1 missed (from the kill to its first step after it
+healed) and the share of the uninterrupted run's windows the killed run trained, the
+uninterrupted run's held-out loss after that share of its windows (interpolated linearly between
+its evaluations: the loss at equal tokens), whether the two sites' final weights are
+bit-identical, and whether each killed run's loss lies within the uninterrupted seeds' [min, max]
+and within their mean +- 2 standard deviations.
 
 Usage: uv run python benchmarks/sites_loss.py [--seeds 3] [--steps 2000] [--down-s 10]
-    [--keep-disk] [--eval-batches 40] [--out DIR]
+    [--keep-disk] [--eval-batches 40] [--eval-every 1000] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import shutil
 import statistics
@@ -52,7 +56,7 @@ Starter = Callable[[], subprocess.Popen[bytes]]
 class Outcome:
     """One run's result: the final held-out loss of each site, whether their final weights
     are bit-identical, the step at which site 1 was killed (0: not killed), the steps it missed
-    before it trained again, and the run's steps."""
+    before it trained again, the run's steps, and site 0's held-out losses (step, loss)."""
 
     seed: int
     losses: tuple[float, float]
@@ -60,6 +64,7 @@ class Outcome:
     killed_at: int
     away: int = 0
     steps: int = 0
+    curve: tuple[tuple[int, float], ...] = ()
 
     @property
     def windows(self) -> float:
@@ -67,12 +72,32 @@ class Outcome:
         return 1.0 - self.away / (2 * self.steps) if self.steps else 1.0
 
 
+def eval_curve(out: Path) -> tuple[tuple[int, float], ...]:
+    """The (step, eval_loss) records in ``out``'s metrics.jsonl, in the order logged (a step
+    logged twice, before and after a restart, keeps its last loss)."""
+    curve: dict[int, float] = {}
+    for record in read_records(out / "metrics.jsonl"):
+        step, loss = record.get("step"), record.get("eval_loss")
+        if isinstance(step, int) and isinstance(loss, float):
+            curve[step] = loss
+    return tuple(sorted(curve.items()))
+
+
 def final_loss(out: Path) -> float:
     """The last ``eval_loss`` in ``out``'s metrics.jsonl; ValueError where there is none."""
-    losses = [r["eval_loss"] for r in read_records(out / "metrics.jsonl") if "eval_loss" in r]
-    if not losses or not isinstance(losses[-1], float):
+    curve = eval_curve(out)
+    if not curve:
         raise ValueError(f"no eval_loss in {out / 'metrics.jsonl'}")
-    return losses[-1]
+    return curve[-1][1]
+
+
+def loss_at(curve: tuple[tuple[int, float], ...], step: float) -> float | None:
+    """The held-out loss at ``step``, interpolated linearly between the evaluations of
+    ``curve`` around it; None outside them."""
+    for (left, low), (right, high) in itertools.pairwise(curve):
+        if left <= step <= right:
+            return low + (high - low) * (step - left) / (right - left)
+    return curve[-1][1] if curve and curve[-1][0] == step else None
 
 
 def newest_step(out: Path) -> int:
@@ -106,7 +131,7 @@ def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcom
     """Two sites for ``args.steps`` steps with ``seed``; site 1 killed once site 0 has logged
     ``kill_at`` (0: never) and started again ``args.down_s`` later."""
     flags = ["--seed", str(seed), "--max-steps", str(args.steps)]
-    flags += ["--eval-batches", str(args.eval_batches)]
+    flags += ["--eval-batches", str(args.eval_batches), "--eval-every", str(args.eval_every)]
     port, logs = free_port(), [base / f"site-{site}.log" for site in (0, 1)]
     house = launch(lighthouse_command(args, port), base / "lighthouse.log", train_env())
     procs: list[subprocess.Popen[bytes]] = []
@@ -125,7 +150,8 @@ def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcom
                 kill_tree(proc)
     losses = (final_loss(base / "out-0"), final_loss(base / "out-1"))
     away = first_step_after(base / "out-1", kill_at) - kill_at - 1 if kill_at else 0
-    return Outcome(seed, losses, same_weights(base), kill_at, away, args.steps)
+    curve = eval_curve(base / "out-0")
+    return Outcome(seed, losses, same_weights(base), kill_at, away, args.steps, curve)
 
 
 def _starter(
@@ -163,9 +189,11 @@ def rows(clean: list[Outcome], killed: list[Outcome]) -> list[list[str]]:
     table = []
     for plain, hit in zip(clean, killed, strict=True):
         span, sigma = within(hit.losses[0], spread)
+        equal = loss_at(plain.curve, hit.windows * plain.steps)
         table.append([
             str(plain.seed), f"{plain.losses[0]:.4f}", f"{hit.losses[0]:.4f}",
             f"{hit.losses[1]:.4f}", str(hit.killed_at), str(hit.away), f"{hit.windows:.1%}",
+            "-" if equal is None else f"{equal:.4f}",
             "yes" if hit.equal else "NO", "yes" if span else "no", "yes" if sigma else "no",
         ])  # fmt: skip
     return table
@@ -185,6 +213,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--down-s", type=float, default=10.0, help="seconds site 1 stays down")
     parser.add_argument("--keep-disk", action="store_true", help="do not wipe site 1's folders")
     parser.add_argument("--eval-batches", type=int, default=40, help="held-out batches")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=1000,
+        help="steps between held-out evaluations (1000: the bottoms of tiny.toml's cosine cycles)",
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     parser.add_argument("--out", default="", help="a folder kept for inspection")
     own, rest = parser.parse_known_args(argv)
@@ -208,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"seed {seed} {name}: {into[-1]}", flush=True)
     header = [
         "seed", "uninterrupted", "killed: site 0", "killed: site 1", "kill at step",
-        "site 1 away (steps)", "windows trained", "sites bit-identical", "within [min, max]",
+        "site 1 away (steps)", "windows trained", "uninterrupted at equal windows",
+        "sites bit-identical", "within [min, max]",
         "within mean +- 2 sd",
     ]  # fmt: skip
     print(markdown_table(header, rows(clean, killed)))
