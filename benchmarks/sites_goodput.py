@@ -305,7 +305,8 @@ def train_args(args: argparse.Namespace, out: Path, checkpoints: Path) -> list[s
         "--data-files", str(data / "c4" / "*train*.json.gz"),
         "--eval-files", str(data / "c4" / "*validation*.json.gz"),
         "--output-dir", str(out), "--checkpoint-dir", str(checkpoints),
-        "--seq-length", str(args.seq_length), "--batch-size", "1", "--max-steps", "1000000",
+        "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
+        "--max-steps", "1000000",
         "--epochs", "1000",
         "--checkpoint-every", str(args.checkpoint_every), "--log-every", "1",
         "--eval-every", "0", "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1",
@@ -663,7 +664,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--model", default=SMALL_LLAMA, help="model config.json, relative to the repository")
     add("--tokenizer", default=SMALL_TOKENIZER, help="tokenizer folder, relative to the repository")
     add("--data-dir", default=str(SHARED_DATA), help="the offline data (c4/ under it)")
-    add("--seq-length", type=int, default=32, help="tokens per window (1 window per step)")
+    add("--seq-length", type=int, default=32, help="tokens per window")
+    add("--batch-size", type=int, default=1, help="windows per rank per step (micro-batch)")
     add("--optimizer", choices=("diloco", "adamw"), default="diloco", help="the method")
     add("--local-steps", type=int, default=2, help="DiLoCo's steps between syncs")
     add("--checkpoint-every", type=int, default=200, help="steps between checkpoints (all arms)")

@@ -70,7 +70,11 @@ from torchrun_ddp.sites.positions import (
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 DILOCO = ("--optimizer", "diloco", "--local-steps", "2")
+"""Short windows: a sync every other step, so a kill lands near one."""
+MULOCO = ("--optimizer", "muloco", "--local-steps", "2")
+"""MuLoCo: Muon inside a site, SparseLoCo's gathered messages across sites at each sync."""
 ADAMW = ("--optimizer", "adamw")
+"""AdamW: the gradients averaged over the live sites every step."""
 DCT = (
     "--compression",
     "dct",
@@ -80,14 +84,12 @@ DCT = (
     "bfloat16",
 )
 """AdamW's exchange through the dct hook (a quarter of each block's coefficients, in bf16)."""
-"""AdamW: the gradients averaged over the live sites every step."""
 DEMO = ("--optimizer", "demo", "--demo-topk", "8")
 """DeMo: every rank's top-k message gathered over the live sites every step."""
 SPARSELOCO = ("--optimizer", "sparseloco")
 """Given after DILOCO: the later --optimizer wins, the sync every other step stays."""
 SHARDED = (*SPARSELOCO, "--data-parallel", "hsdp", "--shard-degree", "2")
 """SparseLoCo with FSDP2 over a site's 2 ranks (one replica in the site)."""
-"""Short windows: a sync every other step, so a kill lands near one."""
 
 
 def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
@@ -398,19 +400,29 @@ def _assert_equal_replicas(base: Path) -> None:
 @pytest.mark.parametrize(
     ("method", "ranks"),
     [
+        (DILOCO, 1),
         ((*DILOCO, *SHARDED), 2),
+        (MULOCO, 1),
         ((*ADAMW, *SHARDED[2:]), 2),
         ((*ADAMW, *DCT, *SHARDED[2:]), 2),
         (DEMO, 1),
     ],
-    ids=["sparseloco-hsdp-2x2", "adamw-hsdp-2x2", "adamw-dct-bf16-hsdp-2x2", "demo-2x1"],
+    ids=[
+        "diloco-2x1",
+        "sparseloco-hsdp-2x2",
+        "muloco-2x1",
+        "adamw-hsdp-2x2",
+        "adamw-dct-bf16-hsdp-2x2",
+        "demo-2x1",
+    ],
 )
 def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_both_stop(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], ranks: int
 ) -> None:
-    """DiLoCo (2 x 1 against one job of 2); SparseLoCo (the gather across sites, also
-    MuLoCo's) and AdamW (each rank's gradient shard averaged across sites every step) with
-    FSDP2 over each site's 2 ranks, against one hsdp job of 4 (2 replicas of 2 shards). Both
+    """DiLoCo, MuLoCo (SparseLoCo's gather across sites, Muon inside) and DeMo (every rank's
+    message gathered every step) at 2 x 1 against one job of 2; SparseLoCo and AdamW (each
+    rank's gradient shard averaged across sites every step) with FSDP2 over each site's 2
+    ranks, against one hsdp job of 4 (2 replicas of 2 shards). Both
     sites SIGKILL themselves in step 7 (after their checkpoint and committed sync of step 6;
     torchrun does not restart them), so the whole run stops; started again, each site resumes
     its own checkpoint of step 6 (no heal: both at the same step) and the run ends as one
@@ -452,15 +464,16 @@ def _optimizer(flags: tuple[str, ...]) -> str:
 
 def _assert_same_bytes_but_the_joins(base: Path, optimizer: str) -> None:
     """What a rank of site 0 sends per step, its exchange across sites included, is what one
-    job's rank sends (plus the 24-byte header of a gathered message: SparseLoCo's at each sync,
-    every 2nd step, DeMo's every step); the first step of each start (1 and 7) also carries the
-    sites' join. AdamW's dense figure is the one job's too."""
+    job's rank sends (plus the 24-byte header of a gathered message: SparseLoCo's and MuLoCo's
+    at each sync, every 2nd step, DeMo's every step; DiLoCo's all-reduce has none); the first
+    step of each start (1 and 7) also carries the sites' join. AdamW's dense figure is the one
+    job's too."""
     adamw = optimizer == "adamw"
     sent, one_job = _step_bytes(base / "out-0"), _step_bytes(base / "one-job-out")
     for step in (1, 7):
         assert sent.pop(step)[0] > one_job.pop(step)[0], step
     for step, (wire, dense) in one_job.items():
-        header = {"adamw": 0, "demo": 24}.get(optimizer, 0 if step % 2 else 24)
+        header = {"adamw": 0, "diloco": 0, "demo": 24}.get(optimizer, 0 if step % 2 else 24)
         assert sent[step][0] == wire + header, (step, sent[step], wire)
         assert not adamw or sent[step][1] == dense, (step, sent[step], dense)
 
