@@ -5,6 +5,10 @@ For each seed, two runs of 2 sites x 1 rank (each its own torchrun job, a torchf
 loopback, DiLoCo, the hidden-64 LLaMA of tests/distributed_harness.py on real C4 documents;
 the launch of ``sites_goodput.py``), ``--steps`` steps each:
 
+Both sites wait before their join until both are ready to train (the test hook ``hold:0`` of
+``torchrun_ddp.faults``), so that they join in one quorum and the two runs of a seed are one
+run until the kill.
+
 - **uninterrupted**: nothing killed;
 - **killed**: site 1's whole torchrun tree SIGKILLed once site 0 has logged a step drawn from
   the seed between 1/4 and 1/2 of the run, its checkpoint and output folders deleted (a new
@@ -47,6 +51,7 @@ from sites_goodput import env as train_env
 from sites_goodput import kill_tree, launch, lighthouse_command, site_command, wait_listening
 from sites_goodput import parse_args as goodput_args
 
+from torchrun_ddp.faults import ARM_ENV, ARMED, HOLD_ENV, PERTURB_ENV
 from torchrun_ddp.metrics.records import read_records
 
 Starter = Callable[[], subprocess.Popen[bytes]]
@@ -128,8 +133,9 @@ def within(value: float, spread: list[float]) -> tuple[bool, bool]:
 
 
 def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcome:
-    """Two sites for ``args.steps`` steps with ``seed``; site 1 killed once site 0 has logged
-    ``kill_at`` (0: never) and started again ``args.down_s`` later."""
+    """Two sites for ``args.steps`` steps with ``seed``, started together (``start_together``);
+    site 1 killed once site 0 has logged ``kill_at`` (0: never) and started again
+    ``args.down_s`` later."""
     flags = ["--seed", str(seed), "--max-steps", str(args.steps)]
     flags += ["--eval-batches", str(args.eval_batches), "--eval-every", str(args.eval_every)]
     port, logs = free_port(), [base / f"site-{site}.log" for site in (0, 1)]
@@ -137,8 +143,11 @@ def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcom
     procs: list[subprocess.Popen[bytes]] = []
     try:
         wait_listening(port, house, "the lighthouse")
-        start = [_starter(args, base, site, port, flags) for site in (0, 1)]
-        procs = [start[0](), start[1]()]
+        paced = {**train_env(), PERTURB_ENV: "hold:0", HOLD_ENV: str(base / "hold")}
+        paced[ARM_ENV] = ARMED
+        procs = [_starter(args, base, site, port, flags, paced)() for site in (0, 1)]
+        start_together(base / "hold", logs, procs, args.timeout_s)
+        start = [_starter(args, base, site, port, flags, train_env()) for site in (0, 1)]
         if kill_at:
             _kill_and_return(args, base, procs, start[1], kill_at)
         for proc, log in zip(procs, logs, strict=True):
@@ -154,12 +163,35 @@ def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcom
     return Outcome(seed, losses, same_weights(base), kill_at, away, args.steps, curve)
 
 
+def start_together(
+    hold: Path, logs: list[Path], procs: list[subprocess.Popen[bytes]], timeout_s: float
+) -> None:
+    """Let both sites past their hold before their join (``TORCHRUN_DDP_PERTURB`` ``hold:0``)
+    once both logs say they are ready to train, so that they join in one quorum and neither
+    trains alone at the start (a site started late would otherwise heal into a run the
+    other began alone, for a number of steps that varies from run to run, and two runs of one
+    seed would differ from their first steps); RuntimeError when a site ends or the timeout
+    passes first."""
+    deadline = time.monotonic() + timeout_s
+    while not all(log.exists() and "ready to train" in log.read_text() for log in logs):
+        if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs):
+            raise RuntimeError(f"the sites did not both start: see {logs[0].parent}")
+        time.sleep(0.1)
+    hold.with_suffix(".0").touch()
+
+
 def _starter(
-    args: argparse.Namespace, base: Path, site: int, port: int, flags: list[str]
+    args: argparse.Namespace,
+    base: Path,
+    site: int,
+    port: int,
+    flags: list[str],
+    env: dict[str, str],
 ) -> Starter:
-    """Starts site ``site``'s torchrun job (``sites_goodput.site_command`` with ``flags``)."""
+    """Starts site ``site``'s torchrun job (``sites_goodput.site_command`` with ``flags``) with
+    ``env``."""
     command = site_command(args, base, site, port) + flags
-    return lambda: launch(command, base / f"site-{site}.log", train_env())
+    return lambda: launch(command, base / f"site-{site}.log", env)
 
 
 def _kill_and_return(

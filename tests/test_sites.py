@@ -510,21 +510,23 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     zeros through a scratch copy of the hook's state; DeMo's every step, whose quorum also
     starts before the hold, with a message marked as not taking part), takes its own data
     position at its last committed sync from site 0's copy, and both train to step 24. At the
-    start both sites wait before step 2 until both are ready: a site alone (the lighthouse's
-    minimum is 1) that reached its hold at step 20 before the other started would leave the
-    other a quorum of itself."""
+    start both sites wait before their join until both are ready (``hold:0``), so they join in
+    one quorum and neither heals from the other: a site alone (the lighthouse's minimum is 1)
+    that reached its hold at step 20 before the other started would leave the other a quorum
+    of itself."""
     steps, hold, started = 24, tmp_path / "hold", time.monotonic()
     logs = [tmp_path / f"site-{site}.log" for site in range(2)]
-    paced = {**hook_env(perturb="hold:2,hold:20"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
+    paced = {**hook_env(perturb="hold:0,hold:20"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
     procs = [
         _site(tmp_path, site, steps, lighthouse, logs[site], paced, method=method)
         for site in range(2)
     ]
     try:
         _wait_for(lambda: all("ready to train" in log.read_text() for log in logs), "starts", 300)
-        hold.with_suffix(".2").touch()  # the first sync then has both: it waits for a live one
+        hold.with_suffix(".0").touch()  # both join in one quorum
         _wait_for(lambda: _both_trained(tmp_path, 6), "both sites at step 6", 300)
         workers = worker_pids(procs[0].pid)
+        assert not any("sites: healed" in log.read_text() for log in logs)  # started together
         kill_agent(procs[1])
         killed = len(logs[0].read_text()), max(logged_losses(tmp_path / "out-0"), default=0)
         record = read_position(tmp_path / "site-1", 0)  # its last committed sync's
