@@ -78,8 +78,8 @@ class Outcome:
 
 
 def eval_curve(out: Path) -> tuple[tuple[int, float], ...]:
-    """The (step, eval_loss) records in ``out``'s metrics.jsonl, in the order logged (a step
-    logged twice, before and after a restart, keeps its last loss)."""
+    """The (step, eval_loss) records in ``out``'s metrics.jsonl, sorted by step (a step logged
+    twice, before and after a restart, keeps its last loss)."""
     curve: dict[int, float] = {}
     for record in read_records(out / "metrics.jsonl"):
         step, loss = record.get("step"), record.get("eval_loss")
@@ -147,9 +147,9 @@ def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcom
         paced[ARM_ENV] = ARMED
         procs = [_starter(args, base, site, port, flags, paced)() for site in (0, 1)]
         start_together(base / "hold", logs, procs, args.timeout_s)
-        start = [_starter(args, base, site, port, flags, train_env()) for site in (0, 1)]
         if kill_at:
-            _kill_and_return(args, base, procs, start[1], kill_at)
+            restart = _starter(args, base, 1, port, flags, train_env())  # no hold: it joins late
+            _kill_and_return(args, base, procs, restart, kill_at)
         for proc, log in zip(procs, logs, strict=True):
             if proc.wait(timeout=args.timeout_s) != 0:
                 raise RuntimeError(f"{log} ended with status {proc.returncode}")

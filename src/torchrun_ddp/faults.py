@@ -26,8 +26,9 @@ the ranks compare it). A stop that a perturbation caused says so (``perturbed_no
 For tests/test_sites.py: ``hold:STEP`` (one entry per held step) makes every rank wait before
 optimizer step ``STEP`` until the file ``<TORCHRUN_DDP_HOLD_FILE>.<STEP>`` exists
 (``hold_point``: a test paces a live site so that a restarted one is back before the run ends);
-``hold:0`` waits before the sites' join, so that two sites released once both are ready to
-train join in one quorum and neither heals from the other at the start.
+``hold:0`` waits before the first step, and so before the sites' join (``main.train``): two
+sites released once both are ready to train join in one quorum and neither heals from the
+other at the start.
 """
 
 from __future__ import annotations

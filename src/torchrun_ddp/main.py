@@ -39,7 +39,7 @@ from torchrun_ddp.distributed import (
 )
 from torchrun_ddp.errors import DataError, UserError
 from torchrun_ddp.evaluation import evaluate
-from torchrun_ddp.faults import after_update, before_update
+from torchrun_ddp.faults import after_update, before_update, hold_point
 from torchrun_ddp.inputs import (
     Inputs,
     checkpoint_root,
@@ -142,6 +142,7 @@ def train(trainer: Trainer) -> bool:
     False when it was stopped by SIGTERM/SIGINT, after saving a checkpoint."""
     config = trainer.config
     max_steps = config.max_steps if config.max_steps > 0 else math.inf
+    hold_point(0)  # tests only (faults.py): hold:0, before the first step and the sites' join
     join_sites(trainer)  # --fault-tolerance sites: a site behind the live ones heals here
     first_step = trainer.step + 1
     with StopRequest() as stop:

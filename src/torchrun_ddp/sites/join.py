@@ -19,7 +19,6 @@ from typing import cast
 
 from torchrun_ddp.build import Trainer
 from torchrun_ddp.checkpoint.replicas import state_digest
-from torchrun_ddp.faults import hold_point
 from torchrun_ddp.inputs import checkpoint_root
 from torchrun_ddp.optim import SyncedState
 from torchrun_ddp.sites.adamw import (
@@ -90,7 +89,6 @@ def join_sites(trainer: Trainer) -> None:
     joining = [True]
     join = _register(trainer, optimizer, joining)
     link.after_commit = lambda: write_position(root, rank, link.shared)
-    hold_point(0)  # tests and benchmarks only (``hold:0``): sites that start together
     healed = join()
     if healed:
         log.info("sites: healed, training on from step %d", trainer.step)
