@@ -84,6 +84,9 @@ DCT = (
     "bfloat16",
 )
 """AdamW's exchange through the dct hook (a quarter of each block's coefficients, in bf16)."""
+TOPK = ("--compression", "dct-topk", "--compression-topk", "8")
+"""AdamW's exchange through the dct-topk hook: each rank's 8 largest coefficients of each block
+gathered from every live site (a healing site's zeros among them)."""
 DEMO = ("--optimizer", "demo", "--demo-topk", "8")
 """DeMo: every rank's top-k message gathered over the live sites every step."""
 SPARSELOCO = ("--optimizer", "sparseloco")
@@ -405,6 +408,7 @@ def _assert_equal_replicas(base: Path) -> None:
         (MULOCO, 1),
         ((*ADAMW, *SHARDED[2:]), 2),
         ((*ADAMW, *DCT, *SHARDED[2:]), 2),
+        ((*ADAMW, *TOPK, *SHARDED[2:]), 2),
         (DEMO, 1),
     ],
     ids=[
@@ -413,6 +417,7 @@ def _assert_equal_replicas(base: Path) -> None:
         "muloco-2x1",
         "adamw-hsdp-2x2",
         "adamw-dct-bf16-hsdp-2x2",
+        "adamw-dct-topk-hsdp-2x2",
         "demo-2x1",
     ],
 )
@@ -421,7 +426,8 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_bot
 ) -> None:
     """DiLoCo, MuLoCo (SparseLoCo's gather across sites, Muon inside) and DeMo (every rank's
     message gathered every step) at 2 x 1 against one job of 2; SparseLoCo and AdamW (each
-    rank's gradient shard averaged across sites every step) with FSDP2 over each site's 2
+    rank's gradient shard averaged across sites every step: dense, dct or dct-topk) with FSDP2
+    over each site's 2
     ranks, against one hsdp job of 4 (2 replicas of 2 shards). Both
     sites SIGKILL themselves in step 7 (after their checkpoint and committed sync of step 6;
     torchrun does not restart them), so the whole run stops; started again, each site resumes
@@ -496,8 +502,8 @@ def _both_trained(base: Path, step: int) -> bool:
 @pytest.mark.lighthouse_min(1)
 @pytest.mark.parametrize(
     ("method", "healed_at"),
-    [(DILOCO, 20), ((*ADAMW, *DCT), 21), (DEMO, 21)],
-    ids=["diloco", "adamw-dct-bf16", "demo"],
+    [(DILOCO, 20), ((*ADAMW, *DCT), 21), ((*ADAMW, *TOPK), 21), (DEMO, 21)],
+    ids=["diloco", "adamw-dct-bf16", "adamw-dct-topk", "demo"],
 )
 def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], healed_at: int
@@ -506,8 +512,9 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     and waits before step 20 (``hold``: only so that this short run is not over before site 1's
     new process has imported torch) until site 1 runs again; site 1 starts from nothing, heals
     in site 0's sync of step 20 (DiLoCo's, in the optimizer step after the hold) or 21
-    (AdamW's exchange through the dct hook, after backward and before the hold: site 1 sends
-    zeros through a scratch copy of the hook's state; DeMo's every step, whose quorum also
+    (AdamW's exchange through the dct or dct-topk hook, after backward and before the hold:
+    site 1 sends zeros through a scratch copy of the hook's state, a row of dct-topk's
+    all-gather that the sum leaves out; DeMo's every step, whose quorum also
     starts before the hold, with a message marked as not taking part), takes its own data
     position at its last committed sync from site 0's copy, and both train to step 24. At the
     start both sites wait before their join until both are ready (``hold:0``), so they join in

@@ -284,10 +284,14 @@ def _topk_hook(
     """Top-k of the gradient's DCT: all-gather the ``topk`` largest coefficients per block as
     (value, index) pairs (not DeMo; see the module docstring).
 
-    Every rank scatter-adds all ranks' pairs in rank order, divides by the world size and inverts
-    the DCT, so all ranks compute bit-identical results. Values and indices travel in one uint8
-    payload per rank (gloo has no int16 collectives): ``n_blocks * topk`` values, then as many
-    indices of :func:`index_dtype` (uint8 for blocks up to 256).
+    Every rank scatter-adds all the group's pairs in rank order, divides by ``state.world_size``
+    and inverts the DCT, so all ranks compute bit-identical results. The divisor is the group's
+    size, except across fault-tolerant sites, where a site that heals in this step is in the
+    group but sends zeros (``sites.adamw``): the mean is then over the sites that take part.
+
+    Values and indices travel in one uint8 payload per rank (gloo has no int16 collectives):
+    ``n_blocks * topk`` values, then as many indices of :func:`index_dtype` (uint8 for blocks up
+    to 256), gathered in the list form of all-gather, which torchft's process groups take.
 
     Values default to float32: with ``topk == block_size`` the result is then the exact mean up
     to fp32 rounding, and nothing is rounded away. ``bfloat16`` cuts a pair from 5 to 3 bytes
@@ -309,17 +313,18 @@ def _topk_hook(
         _keep_residual(state, bucket, plan, grad - layout.from_blocks(own @ basis))
     wire_index = index_dtype(layout.block_size)
     payload = _pack_topk(values, indices.to(wire_index))
-    state.count("all_gather", payload.numel(), _group(state))
-    gathered = payload.new_empty(state.world_size * payload.numel())
-    work = dist.all_gather_into_tensor(gathered, payload, group=_group(state), async_op=True)
+    group = _group(state)
+    members = group.size()
+    state.count("all_gather", payload.numel(), group)
+    gathered = payload.new_empty(members * payload.numel())
+    rows = list(gathered.view(members, -1).unbind(0))  # the list form: torchft's groups too
+    work = dist.all_gather(rows, payload, group=group, async_op=True)
     shape = (layout.n_blocks, state.settings.topk)
 
     def decode(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        all_values, all_indices = _unpack_topk(
-            gathered, state.world_size, shape, value_dtype, wire_index
-        )
+        all_values, all_indices = _unpack_topk(gathered, members, shape, value_dtype, wire_index)
         total = torch.zeros(layout.n_blocks, layout.block_size, device=buffer.device)
-        for rank in range(state.world_size):
+        for rank in range(members):
             total.scatter_add_(1, all_indices[rank], all_values[rank])
         total /= state.world_size
         return buffer.copy_(layout.from_blocks(total @ basis))

@@ -49,9 +49,10 @@ if TYPE_CHECKING:
 
 
 _DCT = ("dct", "dct-topk")
-SITE_REFUSED_HOOKS = ("dct-topk", "powersgd")
-"""Hooks that do not exchange across sites: their all-gather (top-k pairs) or factor
-all-reduces are sized or divided by the group, which a healing site joins with zeros."""
+SITE_REFUSED_HOOKS = ("powersgd",)
+"""Hooks that do not exchange across sites: PowerSGD's factor all-reduces are divided by the
+group, which a healing site joins with zeros, and its P and Q factors are state the sites
+share, which a heal would have to send."""
 COMPRESSION_FLAGS: Owners = {
     "compression_ratio": ("compression", ("dct",)),
     "compression_selection": ("compression", ("dct",)),
@@ -96,15 +97,15 @@ class AdamWMethod(Method):
 
     @classmethod
     def site_problem(cls, config: TrainConfig) -> str:
-        """AdamW exchanges across sites every step: dense fp32 gradients, or through an
-        all-reduce hook (``bf16``, ``fp16``, ``dct``) over the live sites; under hsdp each
+        """AdamW exchanges across sites every step: dense fp32 gradients, or through a comm
+        hook (``bf16``, ``fp16``, ``dct``, ``dct-topk``) over the live sites; under hsdp each
         rank's shard."""
         if config.zero1:
             return "adamw exchanges across sites without --zero1 for now; drop it"
         if config.compression in SITE_REFUSED_HOOKS:
             return (
-                f"--compression {config.compression} does not exchange across sites yet (only "
-                "the all-reduce hooks do: none, bf16, fp16, dct); use one of them, or "
+                f"--compression {config.compression} does not exchange across sites yet (none, "
+                "bf16, fp16, dct and dct-topk do); use one of them, or "
                 "--optimizer sparseloco, which exchanges top-k messages once per sync"
             )
         if config.compression_scope != "global":

@@ -8,7 +8,8 @@ With one rank per site this is one torchrun job's DDP over the same ranks, bit f
 averages ``g_i / W`` summed, this path ``(sum g_i) / W``, and a division by a power of two is
 exact (more ranks per site sum in another order: the last bits may differ).
 
-With a ``--compression`` all-reduce hook (bf16, fp16, dct) the exchange across sites is the
+With a ``--compression`` hook (bf16, fp16, dct; dct-topk, whose all-gather of top-k pairs is
+sized by the group and divided by the sites taking part) the exchange across sites is the
 hook's, as hsdp's replicate exchange in one job (``compression.ReplicaExchange`` over torchft's
 process group, the mean over the sites taking part); the sites' own collectives stay dense.
 
