@@ -87,6 +87,9 @@ DCT = (
 TOPK = ("--compression", "dct-topk", "--compression-topk", "8")
 """AdamW's exchange through the dct-topk hook: each rank's 8 largest coefficients of each block
 gathered from every live site (a healing site's zeros among them)."""
+POWERSGD = ("--compression", "powersgd", "--powersgd-rank", "2")
+"""AdamW's exchange through PowerSGD (rank 2 factors, compressing from step 2): the P and Q
+memories are state the sites share, which a heal sends; the error feedback is each site's."""
 DEMO = ("--optimizer", "demo", "--demo-topk", "8")
 """DeMo: every rank's top-k message gathered over the live sites every step."""
 SPARSELOCO = ("--optimizer", "sparseloco")
@@ -116,10 +119,6 @@ def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
             ["--fault-tolerance", "sites", "--sites", "2", "--optimizer", "demo",
              "--compression-scope", "inter-node"],
             "demo exchanges across sites with --compression-scope global",
-        ),
-        (
-            ["--fault-tolerance", "sites", "--sites", "2", "--compression", "powersgd"],
-            "--compression powersgd does not exchange across sites yet",
         ),
         (
             ["--fault-tolerance", "sites", "--sites", "2", "--compression", "bf16",
@@ -409,6 +408,7 @@ def _assert_equal_replicas(base: Path) -> None:
         ((*ADAMW, *SHARDED[2:]), 2),
         ((*ADAMW, *DCT, *SHARDED[2:]), 2),
         ((*ADAMW, *TOPK, *SHARDED[2:]), 2),
+        ((*ADAMW, *POWERSGD, *SHARDED[2:]), 2),
         (DEMO, 1),
     ],
     ids=[
@@ -418,6 +418,7 @@ def _assert_equal_replicas(base: Path) -> None:
         "adamw-hsdp-2x2",
         "adamw-dct-bf16-hsdp-2x2",
         "adamw-dct-topk-hsdp-2x2",
+        "adamw-powersgd-hsdp-2x2",
         "demo-2x1",
     ],
 )
@@ -502,8 +503,14 @@ def _both_trained(base: Path, step: int) -> bool:
 @pytest.mark.lighthouse_min(1)
 @pytest.mark.parametrize(
     ("method", "healed_at"),
-    [(DILOCO, 20), ((*ADAMW, *DCT), 21), ((*ADAMW, *TOPK), 21), (DEMO, 21)],
-    ids=["diloco", "adamw-dct-bf16", "adamw-dct-topk", "demo"],
+    [
+        (DILOCO, 20),
+        ((*ADAMW, *DCT), 21),
+        ((*ADAMW, *TOPK), 21),
+        ((*ADAMW, *POWERSGD), 21),
+        (DEMO, 21),
+    ],
+    ids=["diloco", "adamw-dct-bf16", "adamw-dct-topk", "adamw-powersgd", "demo"],
 )
 def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], healed_at: int
@@ -513,8 +520,8 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     new process has imported torch) until site 1 runs again; site 1 starts from nothing, heals
     in site 0's sync of step 20 (DiLoCo's, in the optimizer step after the hold) or 21
     (AdamW's exchange through the dct or dct-topk hook, after backward and before the hold:
-    site 1 sends zeros through a scratch copy of the hook's state, a row of dct-topk's
-    all-gather that the sum leaves out; DeMo's every step, whose quorum also
+    site 1 sends zeros with its error feedback set aside, a row of dct-topk's all-gather that
+    the sum leaves out, PowerSGD's factors taken from site 0; DeMo's every step, whose quorum also
     starts before the hold, with a message marked as not taking part), takes its own data
     position at its last committed sync from site 0's copy, and both train to step 24. At the
     start both sites wait before their join until both are ready (``hold:0``), so they join in

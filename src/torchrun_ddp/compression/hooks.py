@@ -375,7 +375,9 @@ def _powersgd_hook(
     """torch's ``powerSGD_hook`` with byte counting, rebuild-safe memories and gloo ordering.
 
     The returned future is already complete: waiting here keeps every rank's sequence of
-    collectives identical (see the module docstring for the failure this prevents).
+    collectives identical (see the module docstring for the failure this prevents). Where
+    ``state.world_size`` is less than the group's size (across sites: a site heals in this step)
+    the mean is over the ``world_size`` senders (``_mean_over_senders``).
     """
     power = state._powersgd
     assert power is not None and state._ps_stores is not None
@@ -389,11 +391,28 @@ def _powersgd_hook(
     fut.wait()
     sent = power.total_numel_after_compression - before if compressing else buffer.numel()
     state.count("all_reduce", sent * buffer.element_size(), _group(state))
+    if state.world_size != _group(state).size():
+        _mean_over_senders(state, bucket.index(), fut.value(), compressing)
     if layout is not None:
         for store, slices in zip(state._ps_stores, (layout.error, layout.p, layout.q), strict=True):
             if bucket.index() in store.tensors:
                 store.keep(bucket.index(), slices, state.step, store.tensors[bucket.index()])
     return fut
+
+
+def _mean_over_senders(
+    state: CompressionState, index: int, mean: torch.Tensor, compressing: bool
+) -> None:
+    """torch's PowerSGD divides its sums by the group's size; across fault-tolerant sites a site
+    that heals in this step is in the group but sends zeros, so ``mean`` (the bucket's float32
+    buffer, in place) is rescaled to the mean over the ``state.world_size`` sites that send, and
+    the error feedback torch kept against the unscaled mean is moved by the difference."""
+    factor = _group(state).size() / state.world_size
+    assert state._powersgd is not None
+    error = state._powersgd.error_dict.get(index) if compressing else None
+    if error is not None:
+        error.sub_(mean * (factor - 1))
+    mean.mul_(factor)
 
 
 def compression_hook(

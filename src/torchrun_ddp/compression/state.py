@@ -10,7 +10,8 @@ and a resume into a differently bucketed process. No state is kept while ``step 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -285,8 +286,8 @@ class CompressionState:
             self.builtin_step_bytes = counts
 
     def add_step_bytes(self, counts: StepBytes) -> None:
-        """Add ``counts`` (bytes another state counted this step, such as the scratch state of a
-        site that sends zeros while it joins, ``sites.adamw``) to this step's counts."""
+        """Add ``counts`` (bytes another state counted this step: the hook's own state across
+        fault-tolerant sites, ``sites.adamw``) to this step's counts."""
         self._added = _plus(self._added, counts)
 
     def pop_step_bytes(self) -> StepBytes:
@@ -347,6 +348,62 @@ class CompressionState:
         if "powersgd.rng.keys" in state:
             _rng_from_tensors(self._powersgd.rng, state)
 
+    def exchange_over(self, group: dist.ProcessGroup, world_size: int, step: int) -> None:
+        """Run the hook's next collectives on ``group``, divide its sums by ``world_size`` and
+        count ``step`` as the optimizer steps seen (across fault-tolerant sites: the quorum's
+        torchft group, the sites taking part, which a site that heals in this step, in the
+        group but sending zeros, is not, and the run's step, which a site's join does not
+        advance)."""
+        self.process_group, self.world_size, self.step = group, world_size, step
+        if self._powersgd is not None:
+            self._powersgd.process_group, self._powersgd.iter = group, step
+
+    @contextmanager
+    def error_feedback_aside(self) -> Iterator[None]:
+        """Within: the hook sends the gradient it is given, adds no error feedback to it, and
+        what it would keep is dropped; after: this rank's error feedback (``residual.*``,
+        ``powersgd.error.*``) as it was. The shared state (``step``, PowerSGD's P and Q) moves
+        on as on the other ranks: for a rank that must send zeros, a site that joins or heals
+        across fault-tolerant sites (``sites.adamw``)."""
+        residuals, stores, power = self._residuals, self._ps_stores, self._powersgd
+        self._residuals = BucketStore()
+        errors = None if power is None else power.error_dict
+        if power is not None and stores is not None:
+            power.error_dict = {}
+            self._ps_stores = (BucketStore(power.error_dict), stores[1], stores[2])
+        try:
+            yield
+        finally:
+            self._residuals, self._ps_stores = residuals, stores
+            if power is not None and errors is not None:
+                power.error_dict = errors
+
+    def shared_state_dict(self) -> dict[str, torch.Tensor]:
+        """The part of :meth:`state_dict` that every rank holds alike (copies): ``step`` and,
+        for powersgd, the P and Q memories (all-reduced, ``rank`` columns per matrix) and the
+        RNG that seeds new ones. What a site that heals takes from a live one; the error
+        feedback stays each rank's own."""
+        out = {"step": torch.tensor(self.step, dtype=torch.int64)}
+        if self._powersgd is None or self._ps_stores is None:
+            return out
+        for name, store in zip(("p", "q"), self._ps_stores[1:], strict=True):
+            for index, piece in store.export().items():
+                out[f"powersgd.{name}.{index}"] = piece
+        out.update(_rng_to_tensors(self._powersgd.rng))
+        return out
+
+    def load_shared_state_dict(self, state: Mapping[str, torch.Tensor | int]) -> None:
+        """Load a :meth:`shared_state_dict` (another rank's, or this one's from before an
+        exchange that is undone) and keep this rank's own error feedback."""
+        self.step = int(state["step"])
+        if self._powersgd is None or self._ps_stores is None:
+            return
+        self._powersgd.iter = self.step
+        for name, store in zip(("p", "q"), self._ps_stores[1:], strict=True):
+            store.load(_pieces(state, f"powersgd.{name}."))
+        if "powersgd.rng.keys" in state:
+            _rng_from_tensors(self._powersgd.rng, state)
+
     def load_resharded(self, state: Mapping[str, torch.Tensor | int]) -> int:
         """Continue at another world size from one old rank's :meth:`state_dict` (rank 0's).
 
@@ -357,7 +414,7 @@ class CompressionState:
         Returns how many residual tensors were dropped; the caller logs it as a warning. A
         dropped residual loses at most one step's worth of unsent gradient per parameter.
         """
-        dropped = [key for key in state if key.startswith(("residual.", "powersgd.error."))]
+        dropped = [key for key in state if _own(key)]
         kept = {key: value for key, value in state.items() if key not in dropped}
         self.load_state_dict(kept)
         return len(dropped)
@@ -382,6 +439,11 @@ def cached_plan[T](
     value = build()
     cache[bucket.index()] = (ids, value)
     return value
+
+
+def _own(key: str) -> bool:
+    """Whether a :meth:`CompressionState.state_dict` key is a rank's own error feedback."""
+    return key.startswith(("residual.", "powersgd.error."))
 
 
 def _pieces(state: Mapping[str, torch.Tensor | int], prefix: str) -> dict[int, torch.Tensor]:

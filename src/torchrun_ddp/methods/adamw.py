@@ -49,10 +49,6 @@ if TYPE_CHECKING:
 
 
 _DCT = ("dct", "dct-topk")
-SITE_REFUSED_HOOKS = ("powersgd",)
-"""Hooks that do not exchange across sites: PowerSGD's factor all-reduces are divided by the
-group, which a healing site joins with zeros, and its P and Q factors are state the sites
-share, which a heal would have to send."""
 COMPRESSION_FLAGS: Owners = {
     "compression_ratio": ("compression", ("dct",)),
     "compression_selection": ("compression", ("dct",)),
@@ -97,17 +93,10 @@ class AdamWMethod(Method):
 
     @classmethod
     def site_problem(cls, config: TrainConfig) -> str:
-        """AdamW exchanges across sites every step: dense fp32 gradients, or through a comm
-        hook (``bf16``, ``fp16``, ``dct``, ``dct-topk``) over the live sites; under hsdp each
-        rank's shard."""
+        """AdamW exchanges across sites every step: dense fp32 gradients, or through any comm
+        hook over the live sites; under hsdp each rank's shard."""
         if config.zero1:
             return "adamw exchanges across sites without --zero1 for now; drop it"
-        if config.compression in SITE_REFUSED_HOOKS:
-            return (
-                f"--compression {config.compression} does not exchange across sites yet (none, "
-                "bf16, fp16, dct and dct-topk do); use one of them, or "
-                "--optimizer sparseloco, which exchanges top-k messages once per sync"
-            )
         if config.compression_scope != "global":
             return (
                 "--compression-scope inter-node does not exchange across sites (the sites are "

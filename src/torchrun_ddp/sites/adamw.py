@@ -9,21 +9,24 @@ averages ``g_i / W`` summed, this path ``(sum g_i) / W``, and a division by a po
 exact (more ranks per site sum in another order: the last bits may differ).
 
 With a ``--compression`` hook (bf16, fp16, dct; dct-topk, whose all-gather of top-k pairs is
-sized by the group and divided by the sites taking part) the exchange across sites is the
+sized by the group and divided by the sites taking part; PowerSGD, whose sums are rescaled to
+those sites and whose P and Q factors the sites share) the exchange across sites is the
 hook's, as hsdp's replicate exchange in one job (``compression.ReplicaExchange`` over torchft's
 process group, the mean over the sites taking part); the sites' own collectives stay dense.
 
 A site that starts or restarts joins (``join``) with an exchange of zeros that meets the live
 sites' exchange of their next step; a site behind them heals in it from a live one (the trained
-parameters, AdamW's moments and step counts, the step and the tokens trained) and then takes that
-step's update as they do. Source: torchft's Manager (quorum, ``should_commit``, healing), as
-torchtitan's FT-HSDP uses it per step (``experiments/torchft``).
+parameters, AdamW's moments and step counts, the hook's shared state, the step and the tokens
+trained) and then takes that step's update as they do. Source: torchft's Manager (quorum,
+``should_commit``, healing), as torchtitan's FT-HSDP uses it per step (``experiments/torchft``).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from types import MappingProxyType
 from typing import cast
 
 import torch
@@ -49,6 +52,8 @@ class SiteAdamW(AdamW):
     replicas: ReplicaExchange | None = None
     """The ``--compression`` hook's exchange over the live sites (its state ``counts``), or None:
     dense fp32 sums."""
+    _before: Mapping[str, torch.Tensor] = MappingProxyType({})
+    """The hook's shared state before the last exchange (``_compressed``)."""
     steps: Callable[[], int] = staticmethod(lambda: 0)
     """The optimizer steps completed (the trainer's ``step``): the hook's step at an exchange."""
 
@@ -75,6 +80,8 @@ class SiteAdamW(AdamW):
             self.committed = self._dense(contribute)
         else:
             self.committed = link.run(lambda: self._compressed(contribute))
+            if not self.committed or not (contribute or link.healed):
+                self.replicas.state.load_shared_state_dict(self._before)
         if self.committed and contribute:
             link.after_commit()
 
@@ -105,23 +112,27 @@ class SiteAdamW(AdamW):
     def _compressed(self, contribute: bool) -> None:
         """The hook's exchange over the live sites (run by ``SiteLink.run`` after the quorum):
         ``replicas`` with its group the Managers' and its mean over the sites that take part.
-        A site that sends zeros (its join, or a heal in this sync) sends them through a scratch
-        copy of the hook's state, so its own error feedback stays as it was."""
+        A site that sends zeros (its join, or a heal in this sync) sends them with its error
+        feedback set aside (``CompressionState.error_feedback_aside``): its own stays as it
+        was, while the state the sites share (PowerSGD's P and Q) moves on as theirs. The shared
+        state before the exchange is kept (``_before``): ``exchange`` puts it back after an
+        exchange that is not committed, and after a join in which this site did not heal, which
+        is one of every site in the quorum (a site that starts later is behind and heals), all
+        sending zeros."""
         link, replicas = self.site_link(), self.replicas
         assert replicas is not None and self.counts is not None
-        sends = contribute and link.manager.is_participating()
+        sends = contribute and link.participating
         for param in self.trained():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             elif not sends:
                 param.grad.zero_()
-        if not sends:
-            scratch = CompressionState(replicas.state.settings, replicas.parameters)
-            replicas = ReplicaExchange(scratch, replicas.parameters, replicas.bucket_cap_bytes)
         state = replicas.state
-        state.process_group, state.world_size = link.group, max(1, link.participants)
-        state.bf16_transport, state.step = "all_reduce", self.steps()
-        replicas.average()
+        state.exchange_over(link.group, max(1, link.participants), self.steps())
+        state.bf16_transport = "all_reduce"
+        self._before = state.shared_state_dict()
+        with nullcontext() if sends else state.error_feedback_aside():
+            replicas.average()
         if state is not self.counts:
             self.counts.add_step_bytes(state.pop_step_bytes())
 
@@ -139,18 +150,23 @@ class SharedAdamW:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, object]:
-        """``{"parameters": {"<i>": tensor}, "moments": {"<i>": {name: tensor}}}``."""
+        """``{"parameters": {"<i>": tensor}, "moments": {"<i>": {name: tensor}}}``, and with a
+        ``--compression`` hook across sites ``"hook"``: the part of its state the sites share
+        (``CompressionState.shared_state_dict``: its step; PowerSGD's P, Q and RNG)."""
         saved = self.optimizer.state_dict()["state"]
-        return {
+        state: dict[str, object] = {
             "parameters": {str(i): p.detach() for i, p in enumerate(self.optimizer.trained())},
             "moments": {str(index): dict(entry) for index, entry in saved.items()},
         }
+        if self.optimizer.replicas is not None:
+            state["hook"] = self.optimizer.replicas.state.shared_state_dict()
+        return state
 
 
 def adamw_heal_state(trainer: Trainer, optimizer: SiteAdamW) -> HealState:
     """This site's state for a healing peer, taken in an exchange (before the step's update):
-    ``SharedAdamW``'s tree, the steps completed, the tokens trained over all ranks, and the
-    sites' data positions' copies."""
+    ``SharedAdamW``'s tree (the hook's shared state included), the steps completed, the
+    tokens trained over all ranks, and the sites' data positions' copies."""
     return {
         **SharedAdamW(optimizer).state_dict(),
         "step": trainer.step,
@@ -160,9 +176,9 @@ def adamw_heal_state(trainer: Trainer, optimizer: SiteAdamW) -> HealState:
 
 
 def take_adamw_state(trainer: Trainer, optimizer: SiteAdamW, state: HealState) -> None:
-    """Load a live peer's ``adamw_heal_state`` and step the schedule on to its step (the
-    update of the step in flight then uses the peer's learning rate). Raises ValueError for a
-    state of another model."""
+    """Load a live peer's ``adamw_heal_state`` (the hook's shared state beside this site's own
+    error feedback) and step the schedule on to its step (the update of the step in flight then
+    uses the peer's learning rate). Raises ValueError for a state of another model."""
     trained = optimizer.trained()
     params = cast(Mapping[str, torch.Tensor], state["parameters"])
     shapes = [local_tensor(param).shape for param in trained]
@@ -178,6 +194,9 @@ def take_adamw_state(trainer: Trainer, optimizer: SiteAdamW, state: HealState) -
     }
     own = optimizer.state_dict()["param_groups"]
     optimizer.load_state_dict({"state": taken, "param_groups": own})
+    if optimizer.replicas is not None and "hook" in state:
+        hook = cast(Mapping[str, torch.Tensor], state["hook"])
+        optimizer.replicas.state.load_shared_state_dict(hook)
     take_run_state(trainer, optimizer.site_link(), state, int(cast(int, state["step"])))
 
 

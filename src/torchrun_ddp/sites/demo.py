@@ -61,7 +61,7 @@ class SiteExchange(MessageExchange):
             link, payload, self.process_group, self.joining, self.counter, payload.device
         )
         self.owner.committed = committed
-        self.owner.included = link.manager.is_participating() and not self.joining
+        self.owner.included = link.participating and not self.joining
         if committed and not self.joining:
             link.after_commit()
         return InFlight(payload, None, lrs, [rows.to(payload.device)])

@@ -11,7 +11,8 @@ name) on TORCHFT_MANAGER_PORT (else a free port).
 A sync (``average``) takes a quorum, sums a tensor over the live sites and votes whether to
 commit (torchft's ``should_commit``: False when a collective of this sync failed, for instance a
 site died during it). A site whose step is behind the quorum's (one that restarted) receives a
-live site's state before its vote (``on_heal``), and contributes zeros to that sync.
+live site's state, takes it once the quorum is in and before the sync's exchange
+(``_take_now``), and contributes zeros to that sync.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class SiteLink:
         self.group = ProcessGroupGloo(timeout=timeout)
         self.transport = HealTransport(self.group, timeout)
         self.healed = False
+        self.participating = True
+        """Whether this site takes part in the current sync (False while it heals in it: it
+        sends zeros, or a message marked as not taking part)."""
         self.participants = 0
         self._started = False
         self._send: Callable[[], HealState] = dict
@@ -96,8 +100,8 @@ class SiteLink:
 
     def register(self, send: Callable[[], HealState], take: Callable[[HealState], None]) -> None:
         """``send``: this site's state for a healing peer (called in torchft's quorum thread
-        while this rank waits for the quorum); ``take``: load a live peer's state (called in
-        ``average`` before the vote)."""
+        while this rank waits for the quorum); ``take``: load a live peer's state (called once
+        the quorum is in, before the sync's exchange: ``_take_now``)."""
         self._send, self._take = send, take
 
     def _state(self) -> HealState:
@@ -125,7 +129,7 @@ class SiteLink:
     def run(self, exchange: Callable[[], None]) -> bool:
         """Collective over the live sites: take the quorum, set ``participants``, run
         ``exchange`` (its collectives on ``group``, every live site's rank alike; a site that
-        heals in this sync, ``manager.is_participating()`` False, must send zeros) and vote. An
+        heals in this sync, ``participating`` False, must send zeros) and vote. An
         error in the exchange (gloo's, for a site lost during it) is reported to the Manager,
         so the vote drops the sync. Returns whether every rank of this site commits it. Raises
         RuntimeError as ``average``."""
@@ -145,7 +149,7 @@ class SiteLink:
         rank of this site commits the sync, and the blobs (empty after an error). Raises
         RuntimeError as ``average``."""
         self._quorum()
-        mine = blob(self.manager.is_participating())
+        mine = blob(self.participating)
         blobs = self._all_gather(mine)
         self.participants = len(blobs)
         return self._vote(), blobs
@@ -168,6 +172,19 @@ class SiteLink:
             self.manager.wait_quorum()
         except TimeoutError as exc:
             raise RuntimeError(self._no_quorum) from exc
+        self.participating = self.manager.is_participating()
+        self._take_now()
+
+    def _take_now(self) -> None:
+        """A healing site's received state, taken once the quorum is in, before the sync's
+        exchange: torchft (0.2.0) takes it in ``should_commit``, after the exchange, and a site
+        that runs the exchange at its own old step (PowerSGD's compression starts at a step) or
+        with its own shared state (PowerSGD's P and Q) would not run the live sites' exchange.
+        Through the Manager's own method for it; ``participating`` was read before."""
+        manager = self.manager
+        if manager._healing:  # torchft's flag: a heal received, not yet taken
+            manager._apply_pending_state_dict()
+            manager._healing = False  # taken: should_commit must not take it again
 
     def _vote(self) -> bool:
         """Share the data positions (``_all_gather``), vote, and on a commit file the sites'
