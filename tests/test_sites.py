@@ -643,6 +643,18 @@ def test_the_plan_shows_a_sites_healing_transfer() -> None:
     assert float(row.strip(" |").split(" | ")[1]) == pytest.approx(
         8 * 3 * trained * 4 / 2**30, abs=0.01
     )
+    # and through PowerSGD rank 4: its P and Q too, fp32 [n, 4] and [m, 4] per matrix: per
+    # layer q, k, v, o (4096 + 4096) and gate, up, down (11008 + 4096), and the embeddings
+    # and the head (32000 + 4096)
+    factors = 4 * (32 * (4 * 8192 + 3 * 15104) + 2 * 36096)
+    powersgd = parse_config(
+        ["--fault-tolerance", "sites", "--sites", "2", "--lighthouse", "h:1", *plan[:4],
+         "--compression", "powersgd"]
+    )  # fmt: skip
+    [row] = [line for line in dry_run(powersgd, DistEnv()).splitlines() if "healing" in line]
+    assert float(row.strip(" |").split(" | ")[1]) == pytest.approx(
+        8 * (3 * trained + factors) * 4 / 2**30, abs=0.01
+    )
 
 
 def test_the_plan_of_adamw_across_sites_runs_its_hook_across_the_replicas() -> None:

@@ -74,16 +74,24 @@ def powersgd_numel(shapes: Sequence[tuple[int, ...]], rank: int) -> int:
     ``[n, r]`` and Q ``[m, r]`` when ``(n + m) r * min_compression_rate < n m``
     (``POWERSGD_MIN_RATE``), else all of it, as does every 1-D tensor. Vogels et al. 2019,
     arXiv:1905.13727; the rule is the hook's own."""
-    total = 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        if len(shape) < 2 or not numel:
-            total += numel
-            continue
-        n, m = shape[0], numel // shape[0]
-        r = min(n, m, rank)
-        total += (n + m) * r if (n + m) * r * POWERSGD_MIN_RATE < n * m else numel
-    return total
+    return sum(_factors(shape, rank) or math.prod(shape) for shape in shapes)
+
+
+def powersgd_factor_numel(shapes: Sequence[tuple[int, ...]], rank: int) -> int:
+    """Values of PowerSGD's P and Q memories for parameters of ``shapes`` (fp32, the same on
+    every rank: what a site that heals receives across fault-tolerant sites); the tensors the
+    hook sends whole have none (the rule of :func:`powersgd_numel`)."""
+    return sum(_factors(shape, rank) for shape in shapes)
+
+
+def _factors(shape: tuple[int, ...], rank: int) -> int:
+    """P and Q's values for one tensor, 0 where the hook sends it whole."""
+    numel = math.prod(shape)
+    if len(shape) < 2 or not numel:
+        return 0
+    n, m = shape[0], numel // shape[0]
+    r = min(n, m, rank)
+    return (n + m) * r if (n + m) * r * POWERSGD_MIN_RATE < n * m else 0
 
 
 def state_bytes(

@@ -36,9 +36,22 @@ from torchrun_ddp.compression import (
 )
 from torchrun_ddp.config import TrainConfig
 from torchrun_ddp.errors import UserError
-from torchrun_ddp.methods.base import CheckpointBytes, Method, Owners, PlanSizes, refuse_unused
+from torchrun_ddp.methods.base import (
+    FP32,
+    CheckpointBytes,
+    Method,
+    Owners,
+    PlanSizes,
+    refuse_unused,
+)
 from torchrun_ddp.optim import build_optimizer
-from torchrun_ddp.plan.communication import CommEstimate, Topology, estimate, label
+from torchrun_ddp.plan.communication import (
+    CommEstimate,
+    Topology,
+    estimate,
+    label,
+    powersgd_factor_numel,
+)
 from torchrun_ddp.sites import site_settings
 
 if TYPE_CHECKING:
@@ -270,8 +283,12 @@ class AdamWMethod(Method):
         return estimate(self.hook, sizes, topo, shapes, bucket_bytes)
 
     def heal_bytes(self, sizes: PlanSizes) -> int:
-        """Across sites: the trained parameters and AdamW's two moments, in the weights' dtype."""
-        return 3 * sizes.weight_bytes * sizes.trained
+        """Across sites: the trained parameters and AdamW's two moments, in the weights' dtype,
+        and with ``powersgd`` its P and Q memories (fp32)."""
+        factors = 0
+        if self.hook.method == "powersgd":
+            factors = FP32 * powersgd_factor_numel(sizes.shapes, self.hook.powersgd_rank)
+        return 3 * sizes.weight_bytes * sizes.trained + factors
 
     def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
         """AdamW's two moments in the weights' dtype: replicated, or a 1/W share per rank."""

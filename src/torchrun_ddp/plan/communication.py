@@ -22,13 +22,19 @@ from torchrun_ddp.compression.cost import (
     hook_overlaps,
     hook_payload,
     label,
+    powersgd_factor_numel,
     powersgd_numel,
     state_bytes,
 )
 from torchrun_ddp.compression.settings import CompressionSettings
 from torchrun_ddp.compression.wire import demo_payload_bytes, wire_bytes
 
-__all__ = ["label", "powersgd_numel", "state_bytes"]  # the comm hooks' model, re-exported
+__all__ = [
+    "label",
+    "powersgd_factor_numel",
+    "powersgd_numel",
+    "state_bytes",
+]  # the comm hooks' model, re-exported
 
 FP32 = 4
 DDP_BUCKET_BYTES = 25 * 2**20
