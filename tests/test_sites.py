@@ -410,6 +410,7 @@ def _assert_equal_replicas(base: Path) -> None:
         ((*ADAMW, *TOPK, *SHARDED[2:]), 2),
         ((*ADAMW, *POWERSGD, *SHARDED[2:]), 2),
         (DEMO, 1),
+        ((*DEMO, *SHARDED[2:]), 2),
     ],
     ids=[
         "diloco-2x1",
@@ -420,6 +421,7 @@ def _assert_equal_replicas(base: Path) -> None:
         "adamw-dct-topk-hsdp-2x2",
         "adamw-powersgd-hsdp-2x2",
         "demo-2x1",
+        "demo-hsdp-2x2",
     ],
 )
 def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_both_stop(
@@ -427,8 +429,8 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_bot
 ) -> None:
     """DiLoCo, MuLoCo (SparseLoCo's gather across sites, Muon inside) and DeMo (every rank's
     message gathered every step) at 2 x 1 against one job of 2; SparseLoCo and AdamW (each
-    rank's gradient shard averaged across sites every step: dense, dct or dct-topk) with FSDP2
-    over each site's 2
+    rank's gradient shard averaged across sites every step: dense, dct, dct-topk or PowerSGD)
+    and DeMo (each rank's message of its shard) with FSDP2 over each site's 2
     ranks, against one hsdp job of 4 (2 replicas of 2 shards). Both
     sites SIGKILL themselves in step 7 (after their checkpoint and committed sync of step 6;
     torchrun does not restart them), so the whole run stops; started again, each site resumes
@@ -578,8 +580,11 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "method", [(*DILOCO, *SHARDED), (*DEMO, *SHARDED[2:])], ids=["sparseloco-hsdp", "demo-hsdp"]
+)
 def test_a_site_of_two_ranks_restarted_by_torchrun_resumes_heals_and_rejoins(
-    tmp_path: Path, lighthouse: str
+    tmp_path: Path, lighthouse: str, method: tuple[str, ...]
 ) -> None:
     """2 sites x 2 ranks. Rank 1 of site 1 SIGKILLs itself in step 7 (after the committed sync
     and checkpoint of step 6); torchrun restarts site 1 (one restart for the one fault), which
@@ -590,7 +595,7 @@ def test_a_site_of_two_ranks_restarted_by_torchrun_resumes_heals_and_rejoins(
     steps, logs = 12, [tmp_path / f"site-{site}.log" for site in range(2)]
     envs = [subprocess_env(), hook_env(faults="step:1:7")]
     procs = [
-        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], 2, site, SHARDED)
+        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], 2, site, method=method)
         for site in range(2)
     ]
     try:
