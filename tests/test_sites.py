@@ -504,18 +504,26 @@ def _both_trained(base: Path, step: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.lighthouse_min(1)
 @pytest.mark.parametrize(
-    ("method", "healed_at"),
+    ("method", "healed_at", "ranks"),
     [
-        (DILOCO, 20),
-        ((*ADAMW, *DCT), 21),
-        ((*ADAMW, *TOPK), 21),
-        ((*ADAMW, *POWERSGD), 21),
-        (DEMO, 21),
+        (DILOCO, 20, 1),
+        ((*ADAMW, *DCT), 21, 1),
+        ((*ADAMW, *DCT, *SHARDED[2:]), 21, 2),
+        ((*ADAMW, *TOPK), 21, 1),
+        ((*ADAMW, *POWERSGD), 21, 1),
+        (DEMO, 21, 1),
     ],
-    ids=["diloco", "adamw-dct-bf16", "adamw-dct-topk", "adamw-powersgd", "demo"],
+    ids=[
+        "diloco",
+        "adamw-dct-bf16",
+        "adamw-dct-bf16-hsdp-2x2",
+        "adamw-dct-topk",
+        "adamw-powersgd",
+        "demo",
+    ],
 )
 def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
-    tmp_path: Path, lighthouse: str, method: tuple[str, ...], healed_at: int
+    tmp_path: Path, lighthouse: str, method: tuple[str, ...], healed_at: int, ranks: int
 ) -> None:
     """Site 1 is SIGKILLed once it has logged step 6 and its disk wiped; site 0 trains on alone
     and waits before step 20 (``hold``: only so that this short run is not over before site 1's
@@ -534,7 +542,7 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     logs = [tmp_path / f"site-{site}.log" for site in range(2)]
     paced = {**hook_env(perturb="hold:0,hold:20"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
     procs = [
-        _site(tmp_path, site, steps, lighthouse, logs[site], paced, method=method)
+        _site(tmp_path, site, steps, lighthouse, logs[site], paced, ranks, method=method)
         for site in range(2)
     ]
     try:
@@ -553,7 +561,7 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
             lambda: max(logged_losses(tmp_path / "out-0"), default=0) >= 14, "site 0 alone", 120
         )
         before = len(logs[1].read_text())
-        procs[1] = _site(tmp_path, 1, steps, lighthouse, logs[1], method=method)
+        procs[1] = _site(tmp_path, 1, steps, lighthouse, logs[1], None, ranks, method=method)
         _wait_for(lambda: "ready to train" in logs[1].read_text()[before:], "site 1 again")
         assert worker_pids(procs[0].pid) == workers  # the same processes trained on
         hold.with_suffix(".20").touch()
