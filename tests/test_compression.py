@@ -28,7 +28,6 @@ from torchrun_ddp.compression import (
     METHODS,
     CompressionSettings,
     CompressionState,
-    StepBytes,
     block_layout,
     compression_hook,
     dct_basis,
@@ -541,20 +540,19 @@ def test_register_validates_first() -> None:
 
 def _step_bytes_worker(rank: int, world_size: int) -> list[tuple[int, int, int]]:
     """DDP's built-in all-reduce of a 20-parameter layer counted analytically, plus a counted
-    all-reduce of 400 bytes and bytes added from another state, over two steps."""
+    all-reduce of 400 bytes, over two steps."""
     layer = nn.Linear(4, 4)
     state = CompressionState(CompressionSettings(method="none"), layer.parameters())
     state.count_builtin_all_reduce(layer.parameters())
     state.count("all_reduce", 400, None)
-    state.add_step_bytes(StepBytes(5, 6, 7))
     return [tuple(state.pop_step_bytes()), tuple(state.pop_step_bytes())]
 
 
-def test_a_step_counts_builtin_counted_and_added_bytes_once() -> None:
+def test_a_step_counts_builtin_and_counted_bytes_once() -> None:
     """Across fault-tolerant sites the site's own all-reduce is counted analytically and the
     exchange across sites on top (``pop_step_bytes``): the sum in the step that sent them, and
     only the analytic count in the next (2 ranks: a ring all-reduce sends its input size)."""
     first, second = run_distributed(_step_bytes_worker, WORLD)[0]
     builtin = (80, 80, 80)  # 20 fp32 values
     assert second == builtin
-    assert first == (80 + 400 + 5, 80 + 6, 80 + 400 + 7)
+    assert first == (80 + 400, 80, 80 + 400)

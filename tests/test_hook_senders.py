@@ -51,7 +51,7 @@ def _exchange(
     return [param.grad.clone() for param in params if param.grad is not None]
 
 
-def _senders_worker(rank: int, world_size: int, method: str) -> Result:
+def _senders(rank: int, method: str) -> Result:
     params = [nn.Parameter(torch.zeros(16, 8)), nn.Parameter(torch.zeros(8))]
     settings, prefix = SETTINGS[method], OWN[method]
     pair = dist.new_group([0, 1])
@@ -80,14 +80,90 @@ def _senders_worker(rank: int, world_size: int, method: str) -> Result:
     }
 
 
+class _Vote:
+    """What ``SiteAdamW.exchange`` reads of its ``SiteLink`` (the quorum taken, every site
+    participating), over the real gloo group, with the vote's outcome set by the test: a site
+    that died during the exchange makes it ``False``."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.participating, self.healed = group, True, False
+        self.participants = group.size()
+        self.committed, self.errored = True, False
+
+    def run(self, exchange: Callable[[], None]) -> bool:
+        """``errored``: the Manager had an error before the exchange (a failed heal transfer,
+        a process group that did not configure): no exchange, and the vote drops the step."""
+        if not self.errored:
+            exchange()
+        return self.committed and not self.errored
+
+    def after_commit(self) -> None:
+        return None
+
+
+def _rollback(rank: int) -> list[dict[str, torch.Tensor]]:
+    param = nn.Parameter(torch.zeros(16, 8))
+    optimizer = SiteAdamW([param], lr=0.1)
+    state = CompressionState(SETTINGS["powersgd"], [param])
+    optimizer.replicas, optimizer.counts = ReplicaExchange(state, [param], 2**20), state
+    world = dist.group.WORLD
+    assert world is not None
+    vote = _Vote(world)
+    optimizer.link = vote  # type: ignore[assignment]
+    shared = []
+    runs = [(0, False, None), (0, True, True), (1, True, True), (2, True, True)]
+    runs += [(3, False, True), (3, True, False), (3, True, None), (3, True, True)]
+    for index, (step, contribute, committed) in enumerate(runs):  # None: the Manager errored
+        optimizer.steps = lambda step=step: step
+        vote.committed, vote.errored = bool(committed), committed is None
+        param.grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * index + rank))
+        optimizer.exchange(contribute=contribute)
+        shared.append(state.shared_state_dict())
+    return shared
+
+
+def _worker(rank: int, world_size: int) -> Result:
+    return {
+        **{method: _senders(rank, method) for method in SETTINGS},
+        "rollback": _rollback(rank),
+    }
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[Result]:
+    """Every case of this module on one spawn of 3 gloo ranks."""
+    return run_distributed(_worker, 3)
+
+
+def test_an_exchange_not_committed_and_a_join_put_back_the_shared_state(
+    spawned: list[Result],
+) -> None:
+    """AdamW's PowerSGD exchange across sites: a join in which no site healed (every site sends
+    zeros), an exchange that is not committed (a site died during it) and one that did not run
+    (the Manager had errored before it, here at the very first exchange, a join) leave P, Q and
+    the RNG as they were before them; a committed exchange moves them on."""
+    shared = spawned[0]["rollback"]
+    first, _, _, compressed, joined, dropped, skipped, after = shared
+    assert first["step"].item() == 0 and not any("powersgd.q." in key for key in first)
+    assert any(key.startswith("powersgd.q.") for key in compressed)  # compressing from step 2
+
+    def same(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+    assert same(joined, compressed) and same(dropped, compressed) and same(skipped, compressed)
+    assert not same(after, compressed)
+
+
 @pytest.mark.parametrize("method", ["powersgd", "dct-topk"])
-def test_a_member_that_sends_zeros_is_left_out_of_the_mean(method: str) -> None:
+def test_a_member_that_sends_zeros_is_left_out_of_the_mean(
+    method: str, spawned: list[Result]
+) -> None:
     """Ranks 0 and 1 get the mean over the two of them at every step (PowerSGD: its dense and its
     compressed steps; its sums divided by the group of 3, then rescaled, so equal up to float
     rounding) and keep the error feedback of the exchange over the two; rank 2 gets the same
     mean bit for bit, ends with their shared state (PowerSGD's P, Q and RNG) and with its own
     error feedback as it was."""
-    ranks = run_distributed(_senders_worker, 3, method)
+    ranks = [result[method] for result in spawned]
     for rank in (0, 1):
         result = ranks[rank]
         for step, (got, want) in enumerate(zip(result["means"], result["alone"], strict=True)):
@@ -108,56 +184,3 @@ def test_a_member_that_sends_zeros_is_left_out_of_the_mean(method: str) -> None:
     assert shared.keys() == healer.keys()
     assert all(torch.equal(shared[key], healer[key]) for key in shared)
     assert method != "powersgd" or any(key.startswith("powersgd.q.") for key in shared)
-
-
-class _Vote:
-    """What ``SiteAdamW.exchange`` reads of its ``SiteLink`` (the quorum taken, every site
-    participating), over the real gloo group, with the vote's outcome set by the test: a site
-    that died during the exchange makes it ``False``."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group, self.participants, self.participating, self.healed = group, 2, True, False
-        self.committed = True
-
-    def run(self, exchange: Callable[[], None]) -> bool:
-        exchange()
-        return self.committed
-
-    def after_commit(self) -> None:
-        return None
-
-
-def _rollback_worker(rank: int, world_size: int) -> Result:
-    param = nn.Parameter(torch.zeros(16, 8))
-    optimizer = SiteAdamW([param], lr=0.1)
-    state = CompressionState(SETTINGS["powersgd"], [param])
-    optimizer.replicas, optimizer.counts = ReplicaExchange(state, [param], 2**20), state
-    world = dist.group.WORLD
-    assert world is not None
-    vote = _Vote(world)
-    optimizer.link = vote  # type: ignore[assignment]
-    shared = []
-    runs = [(0, True, True), (1, True, True), (2, True, True), (3, False, True)]
-    runs += [(3, True, False), (3, True, True)]  # a join (a resumed run's), dropped, committed
-    for index, (step, contribute, committed) in enumerate(runs):
-        optimizer.steps = lambda step=step: step
-        vote.committed = committed
-        param.grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * index + rank))
-        optimizer.exchange(contribute=contribute)
-        shared.append(state.shared_state_dict())
-    return {"shared": shared}
-
-
-def test_an_exchange_not_committed_and_a_join_put_back_the_shared_state() -> None:
-    """AdamW's PowerSGD exchange across sites: a join in which no site healed (every site sends
-    zeros) and an exchange that is not committed (a site died during it) leave P, Q and the RNG
-    as they were before them; a committed exchange moves them on."""
-    shared = run_distributed(_rollback_worker, 2)[0]["shared"]
-    _, _, compressed, joined, dropped, after = shared
-    assert any(key.startswith("powersgd.q.") for key in compressed)  # compressing from step 2
-
-    def same(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
-        return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
-
-    assert same(joined, compressed) and same(dropped, compressed)
-    assert not same(after, compressed)

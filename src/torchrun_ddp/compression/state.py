@@ -219,8 +219,6 @@ class CompressionState:
         """FSDP's collectives within the shard group, added to the hook's counts (hsdp)."""
         self.bf16_transport = "all_reduce"
         """``all_reduce`` (native bfloat16) or ``all_gather`` (raw bits, summed in fp32)."""
-        self._added = NO_BYTES
-        """Bytes counted by another state this step (``add_step_bytes``)."""
         self._param_index = {id(param): index for index, param in enumerate(parameters)}
         self._block_plans: dict[int, tuple[tuple[int, ...], BlockPlan]] = {}
         self._powersgd_plans: dict[int, tuple[tuple[int, ...], PowerSGDSlices]] = {}
@@ -285,32 +283,26 @@ class CompressionState:
         else:
             self.builtin_step_bytes = counts
 
-    def add_step_bytes(self, counts: StepBytes) -> None:
-        """Add ``counts`` (bytes another state counted this step: the hook's own state across
-        fault-tolerant sites, ``sites.adamw``) to this step's counts."""
-        self._added = _plus(self._added, counts)
-
     def pop_step_bytes(self) -> StepBytes:
         """Return this step's byte counts (rounded to whole bytes) and reset them to 0: the
         analytic counts of DDP's or FSDP's own collectives where set (``builtin_step_bytes``,
         ``fsdp_step_bytes``, whose dense figure is the whole world's), plus what the hook counted
-        and ``add_step_bytes`` added (under ``--fault-tolerance sites`` the builtin counts are
-        the site's own collectives, the hook's the exchange across sites)."""
+        (under ``--fault-tolerance sites`` the builtin counts are the site's own collectives,
+        the hook's the exchange across sites)."""
         counted = StepBytes(
             round(self.comm_bytes), round(self.comm_bytes_dense), self.comm_bytes_collective
         )
-        added, self._added = self._added, NO_BYTES
         self.comm_bytes = 0.0
         self.comm_bytes_dense = 0.0
         self.comm_bytes_collective = 0
         if self.builtin_step_bytes is not None:
-            return _plus(_plus(self.builtin_step_bytes, counted), added)
+            return _plus(self.builtin_step_bytes, counted)
         if self.fsdp_step_bytes is not None:
             fsdp = self.fsdp_step_bytes
             counted = StepBytes(
                 counted.wire + fsdp.wire, fsdp.dense, counted.collective + fsdp.collective
             )
-        return _plus(counted, added)
+        return counted
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat ``{name: tensor}``: loadable by safetensors and ``torch.load(weights_only=True)``.

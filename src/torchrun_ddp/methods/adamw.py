@@ -284,7 +284,9 @@ class AdamWMethod(Method):
 
     def heal_bytes(self, sizes: PlanSizes) -> int:
         """Across sites: the trained parameters and AdamW's two moments, in the weights' dtype,
-        and with ``powersgd`` its P and Q memories (fp32)."""
+        and with ``powersgd`` its P and Q memories (fp32, of the whole matrices: the plan
+        divides the sum by the hsdp shard count, while a shard ``[n / s, m]`` keeps
+        ``(n / s + m) r`` values, so under hsdp the factors' part is an underestimate)."""
         factors = 0
         if self.hook.method == "powersgd":
             factors = FP32 * powersgd_factor_numel(sizes.shapes, self.hook.powersgd_rank)

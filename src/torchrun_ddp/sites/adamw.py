@@ -79,8 +79,10 @@ class SiteAdamW(AdamW):
         if self.replicas is None:
             self.committed = self._dense(contribute)
         else:
+            self._before = {}
             self.committed = link.run(lambda: self._compressed(contribute))
-            if not self.committed or not (contribute or link.healed):
+            undo = not self.committed or not (contribute or link.healed)
+            if undo and self._before:  # empty: no exchange ran (the Manager had errored)
                 self.replicas.state.load_shared_state_dict(self._before)
         if self.committed and contribute:
             link.after_commit()
@@ -133,8 +135,6 @@ class SiteAdamW(AdamW):
         self._before = state.shared_state_dict()
         with nullcontext() if sends else state.error_feedback_aside():
             replicas.average()
-        if state is not self.counts:
-            self.counts.add_step_bytes(state.pop_step_bytes())
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """AdamW's step, skipped when the last exchange was not committed."""

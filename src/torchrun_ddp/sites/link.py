@@ -180,7 +180,12 @@ class SiteLink:
         exchange: torchft (0.2.0) takes it in ``should_commit``, after the exchange, and a site
         that runs the exchange at its own old step (PowerSGD's compression starts at a step) or
         with its own shared state (PowerSGD's P and Q) would not run the live sites' exchange.
-        Through the Manager's own method for it; ``participating`` was read before."""
+        Through the Manager's own method for it (private in torchft 0.2, pinned below 0.3).
+        ``participating`` was read before, and stays False after: with ``init_sync=False`` a
+        site heals only when its step is behind the quorum's, and then torchft gives it no
+        participating rank, so its Manager's all-reduce still sends zeros. should_commit's wait
+        for a recovery stream is not needed first: ``HealTransport`` receives into CPU tensors
+        before the quorum returns."""
         manager = self.manager
         if manager._healing:  # torchft's flag: a heal received, not yet taken
             manager._apply_pending_state_dict()
