@@ -25,7 +25,7 @@ send/recv between 2 processes on 127.0.0.1).
 
 Usage: uv run python benchmarks/sites_goodput.py [--duration-s 480] [--kill-every-s 120]
     [--down-s 20] [--rounds 1] [--arms none,sites,today] [--wipe] [--model PATH]
-    [--optimizer diloco|adamw] [--out DIR]
+    [--optimizer diloco|adamw] [--train-flags "--compression dct ..."] [--out DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -297,7 +298,8 @@ def env() -> dict[str, str]:
 
 
 def train_args(args: argparse.Namespace, out: Path, checkpoints: Path) -> list[str]:
-    """The train.py flags every arm shares, with its output and checkpoint folders."""
+    """The train.py flags every arm shares, with its output and checkpoint folders
+    (``--train-flags`` last: a comm hook, say, for AdamW's exchange in every arm)."""
     data = Path(args.data_dir)
     return [
         "--config", str(REPO / "configs" / "tiny.toml"), "--model", str(REPO / args.model),
@@ -311,6 +313,7 @@ def train_args(args: argparse.Namespace, out: Path, checkpoints: Path) -> list[s
         "--checkpoint-every", str(args.checkpoint_every), "--log-every", "1",
         "--eval-every", "0", "--eval-batches", "1", "--warmup-steps", "2", "--threads", "1",
         "--peak-tflops", "1", *method_flags(args), "--train-timeout-s", str(args.train_timeout_s),
+        *shlex.split(args.train_flags),
     ]  # fmt: skip
 
 
@@ -668,6 +671,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch-size", type=int, default=1, help="windows per rank per step (micro-batch)")
     add("--optimizer", choices=("diloco", "adamw"), default="diloco", help="the method")
     add("--local-steps", type=int, default=2, help="DiLoCo's steps between syncs")
+    add(
+        "--train-flags",
+        default="",
+        help='more train.py flags for every arm, one string ("--compression dct ...")',
+    )
     add("--checkpoint-every", type=int, default=200, help="steps between checkpoints (all arms)")
     add("--train-timeout-s", type=int, default=90, help="train.py's --train-timeout-s")
     add("--heartbeat-timeout-ms", type=int, default=5000, help="the lighthouse's (run.sh's)")

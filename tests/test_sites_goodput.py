@@ -145,3 +145,13 @@ def test_every_arm_trains_the_chosen_method() -> None:
     ]
     adamw = train_args(parse_args(["--optimizer", "adamw"]), out, out)
     assert adamw[adamw.index("--optimizer") + 1] == "adamw" and "--local-steps" not in adamw
+
+
+def test_train_flags_reach_every_arm_last() -> None:
+    """``--train-flags``: one string of train.py flags (AdamW's comm hook across sites and in
+    today's DDP alike), split as a shell does, after the shared flags."""
+    hook = "--compression dct --compression-ratio 0.25 --compression-value-dtype bfloat16"
+    flags = train_args(
+        parse_args(["--optimizer", "adamw", "--train-flags", hook]), *[Path("o")] * 2
+    )
+    assert flags[-6:] == hook.split()
