@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common, when run by runpy
+
 from common import REPO, SHARED_DATA, free_port, markdown_table
 
 SMALL_LLAMA = "configs/tiny-models/llama-v4096/config.json"
@@ -735,7 +737,7 @@ def footnote(args: argparse.Namespace, argv: list[str], out: Path) -> str:
     """The command line and settings under the tables."""
     return (
         f"{time.strftime('%Y-%m-%d')}, `uv run python benchmarks/sites_goodput.py "
-        f"{' '.join(argv)}`; {args.duration_s:.0f} s per arm, a kill every "
+        f"{shlex.join(argv)}`; {args.duration_s:.0f} s per arm, a kill every "
         f"{args.kill_every_s:.0f} s, down {args.down_s:.0f} s{', wiped' if args.wipe else ''}, "
         f"{' '.join(method_flags(args)[1:])}, --checkpoint-every {args.checkpoint_every}, "
         f"{args.model}, seq {args.seq_length}, lighthouse heartbeat timeout "

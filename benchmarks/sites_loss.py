@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{statistics.stdev(spread) if len(spread) > 1 else 0.0:.4f} over seeds 1-{args.seeds}; "
         f"{args.steps} steps, site 1 {'kept' if args.keep_disk else 'wiped'} its disk and was "
         f"down {args.down_s:g} s; `uv run python benchmarks/sites_loss.py "
-        f"{' '.join(sys.argv[1:])}`; folders in {root}"
+        f"{shlex.join(sys.argv[1:])}`; folders in {root}"
     )
 
 

@@ -176,7 +176,9 @@ def flags_by_program(command: list[str]) -> Iterator[tuple[str | None, str]]:
     previous = ""
     for word in command:
         program = program_of(word, previous) or program
-        if word.startswith("--") and len(word) > 2:
+        if previous == "--train-flags":  # a benchmark's train.py flags, in one quoted word
+            yield from flags_by_program(["train.py", *shlex.split(word)])
+        elif word.startswith("--") and len(word) > 2:
             yield program, word.split("=", 1)[0]
         previous = word
 
@@ -464,7 +466,9 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     page.write_text(
         "# Title\n[ok](#title) [gone](missing.md) [bad anchor](#nowhere)\n"
         "```bash\nuv run python train.py --seq-length 8 --no-such-flag 1\n"
-        "uv run python benchmarks/memory.py --plans --warp 9\n```\n"
+        "uv run python benchmarks/memory.py --plans --warp 9\n"
+        "uv run python benchmarks/sites_goodput.py --train-flags '--compression dct --nope 1'"
+        "\n```\n"
         "Try `--zero1` or `--not-a-flag`; `sbatch --anything examples/slurm/train.sbatch`.\n"
     )
     assert link_targets(page) == ["#title", "missing.md", "#nowhere"]
@@ -472,6 +476,8 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     assert unknown_flags(page) == [
         "train.py: --no-such-flag (in uv run python train.py --seq-length 8 --no-such-flag 1)",
         "benchmarks/memory.py: --warp (in uv run python benchmarks/memory.py --plans --warp 9)",
+        "train.py: --nope (in uv run python benchmarks/sites_goodput.py --train-flags "
+        "--compression dct --nope 1)",
         "any program: --not-a-flag (in --not-a-flag)",
     ]
 

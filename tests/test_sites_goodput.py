@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from sites_goodput import (
     ArmResult,
     fault_rows,
+    footnote,
     goodput,
     goodput_rows,
     heal_rows,
@@ -155,3 +156,10 @@ def test_train_flags_reach_every_arm_last() -> None:
         parse_args(["--optimizer", "adamw", "--train-flags", hook]), *[Path("o")] * 2
     )
     assert flags[-6:] == hook.split()
+
+
+def test_the_footnote_gives_a_command_that_reruns_as_printed() -> None:
+    """A --train-flags string is quoted in the footnote's command, as a shell needs it."""
+    argv = ["--optimizer", "adamw", "--train-flags", "--compression dct"]
+    text = footnote(parse_args(argv), argv, Path("o"))
+    assert "sites_goodput.py --optimizer adamw --train-flags '--compression dct'`" in text
