@@ -271,9 +271,8 @@ def optimizer_step(trainer: Trainer, batches: list[torch.Tensor]) -> tuple[Tenso
 
 
 def flush_exchange(trainer: Trainer) -> None:
-    """At the end of training: apply DeMo's update or DiLoCo's/SparseLoCo's sync still in
-    flight (--overlap-exchange), so the last step is evaluated, checkpointed and exported with
-    it (collective)."""
+    """At the end of training (collective): apply the update in flight (--overlap-exchange), so
+    the last step is evaluated, checkpointed and exported with it."""
     if trainer.method.flush():
         log.info("applied the last update in flight (step %d)", trainer.step)
 

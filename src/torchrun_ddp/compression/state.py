@@ -313,14 +313,12 @@ class CompressionState:
         ``powersgd.{error,p,q}.<i>`` and ``powersgd.rng.*`` (the numpy RNG that seeds fresh Q
         factors).
         """
-        out = {"step": torch.tensor(self.step, dtype=torch.int64)}
+        out = self.shared_state_dict()
         for index, piece in self._residuals.export().items():
             out[f"residual.{index}"] = piece
-        if self._powersgd is not None and self._ps_stores is not None:
-            for name, store in zip(("error", "p", "q"), self._ps_stores, strict=True):
-                for index, piece in store.export().items():
-                    out[f"powersgd.{name}.{index}"] = piece
-            out.update(_rng_to_tensors(self._powersgd.rng))
+        if self._ps_stores is not None:
+            for index, piece in self._ps_stores[0].export().items():
+                out[f"powersgd.error.{index}"] = piece
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor | int]) -> None:
@@ -329,16 +327,11 @@ class CompressionState:
         Residuals saved by a method that no longer keeps them (low-pass ``dct`` checkpoints from
         before it dropped its dead residual) are ignored: they were never sent.
         """
-        self.step = int(state["step"])
         if keeps_residual(self.settings):
             self._residuals.load(_pieces(state, "residual."))
-        if self._powersgd is None or self._ps_stores is None:
-            return
-        self._powersgd.iter = self.step
-        for name, store in zip(("error", "p", "q"), self._ps_stores, strict=True):
-            store.load(_pieces(state, f"powersgd.{name}."))
-        if "powersgd.rng.keys" in state:
-            _rng_from_tensors(self._powersgd.rng, state)
+        if self._ps_stores is not None:
+            self._ps_stores[0].load(_pieces(state, "powersgd.error."))
+        self.load_shared_state_dict(state)
 
     def exchange_over(self, group: dist.ProcessGroup, world_size: int, step: int) -> None:
         """Run the hook's next collectives on ``group``, divide its sums by ``world_size`` and

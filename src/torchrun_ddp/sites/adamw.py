@@ -26,7 +26,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from types import MappingProxyType
 from typing import cast
 
 import torch
@@ -52,8 +51,8 @@ class SiteAdamW(AdamW):
     replicas: ReplicaExchange | None = None
     """The ``--compression`` hook's exchange over the live sites (its state ``counts``), or None:
     dense fp32 sums."""
-    _before: Mapping[str, torch.Tensor] = MappingProxyType({})
-    """The hook's shared state before the last exchange (``_compressed``)."""
+    _before: Mapping[str, torch.Tensor]
+    """The hook's shared state before the last exchange (``_compressed``; empty: none ran)."""
     steps: Callable[[], int] = staticmethod(lambda: 0)
     """The optimizer steps completed (the trainer's ``step``): the hook's step at an exchange."""
 
@@ -82,7 +81,7 @@ class SiteAdamW(AdamW):
             self._before = {}
             self.committed = link.run(lambda: self._compressed(contribute))
             undo = not self.committed or not (contribute or link.healed)
-            if undo and self._before:  # empty: no exchange ran (the Manager had errored)
+            if undo and self._before:  # empty: the Manager had errored before it
                 self.replicas.state.load_shared_state_dict(self._before)
         if self.committed and contribute:
             link.after_commit()
