@@ -5,8 +5,8 @@ For each seed, two runs of 2 sites x 1 rank (each its own torchrun job, a torchf
 loopback, DiLoCo, the hidden-64 LLaMA of tests/distributed_harness.py on real C4 documents;
 the launch of ``sites_goodput.py``), ``--steps`` steps each:
 
-Both sites wait before their join until both are ready to train (the test hook ``hold:0`` of
-``torchrun_ddp.faults``), so that they join in one quorum and the two runs of a seed are one
+The site that starts first holds its join until the other is in its quorum (the sites' start
+wait, ``--site-start-wait-s``), so that they begin together and the two runs of a seed are one
 run until the kill.
 
 - **uninterrupted**: nothing killed;
@@ -52,7 +52,6 @@ from sites_goodput import env as train_env
 from sites_goodput import kill_tree, launch, lighthouse_command, site_command, wait_listening
 from sites_goodput import parse_args as goodput_args
 
-from torchrun_ddp.faults import ARM_ENV, ARMED, HOLD_ENV, PERTURB_ENV
 from torchrun_ddp.metrics.records import read_records
 
 Starter = Callable[[], subprocess.Popen[bytes]]
@@ -134,7 +133,7 @@ def within(value: float, spread: list[float]) -> tuple[bool, bool]:
 
 
 def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcome:
-    """Two sites for ``args.steps`` steps with ``seed``, started together (``start_together``);
+    """Two sites for ``args.steps`` steps with ``seed``, beginning together (the start wait);
     site 1 killed once site 0 has logged ``kill_at`` (0: never) and started again
     ``args.down_s`` later."""
     flags = ["--seed", str(seed), "--max-steps", str(args.steps)]
@@ -144,12 +143,9 @@ def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcom
     procs: list[subprocess.Popen[bytes]] = []
     try:
         wait_listening(port, house, "the lighthouse")
-        paced = {**train_env(), PERTURB_ENV: "hold:0", HOLD_ENV: str(base / "hold")}
-        paced[ARM_ENV] = ARMED
-        procs = [_starter(args, base, site, port, flags, paced)() for site in (0, 1)]
-        start_together(base / "hold", logs, procs, args.timeout_s)
+        procs = [_starter(args, base, site, port, flags, train_env())() for site in (0, 1)]
         if kill_at:
-            restart = _starter(args, base, 1, port, flags, train_env())  # no hold: it joins late
+            restart = _starter(args, base, 1, port, flags, train_env())  # behind: joins at once
             _kill_and_return(args, base, procs, restart, kill_at)
         for proc, log in zip(procs, logs, strict=True):
             if proc.wait(timeout=args.timeout_s) != 0:
@@ -162,23 +158,6 @@ def run(args: argparse.Namespace, base: Path, seed: int, kill_at: int) -> Outcom
     away = first_step_after(base / "out-1", kill_at) - kill_at - 1 if kill_at else 0
     curve = eval_curve(base / "out-0")
     return Outcome(seed, losses, same_weights(base), kill_at, away, args.steps, curve)
-
-
-def start_together(
-    hold: Path, logs: list[Path], procs: list[subprocess.Popen[bytes]], timeout_s: float
-) -> None:
-    """Let both sites past their hold before their join (``TORCHRUN_DDP_PERTURB`` ``hold:0``)
-    once both logs say they are ready to train, so that they join in one quorum and neither
-    trains alone at the start (a site started late would otherwise heal into a run the
-    other began alone, for a number of steps that varies from run to run, and two runs of one
-    seed would differ from their first steps); RuntimeError when a site ends or the timeout
-    passes first."""
-    deadline = time.monotonic() + timeout_s
-    while not all(log.exists() and "ready to train" in log.read_text() for log in logs):
-        if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs):
-            raise RuntimeError(f"the sites did not both start: see {logs[0].parent}")
-        time.sleep(0.1)
-    hold.with_suffix(".0").touch()
 
 
 def _starter(

@@ -148,6 +148,11 @@ def _sites_flags(site: int, lighthouse: str, *extra: str) -> list[str]:
             ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--data-parallel", "fsdp"],
             "runs --data-parallel ddp or hsdp inside each site",
         ),
+        (
+            ["--fault-tolerance", "sites", "--sites", "2", *DILOCO, "--site-start-wait-s", "-1"],
+            "--site-start-wait-s must be >= 0",
+        ),
+        (["--site-start-wait-s", "30"], "--site-start-wait-s applies to --fault-tolerance sites"),
     ],
 )  # fmt: skip
 def test_sites_flags_are_checked_in_one_line(
@@ -448,22 +453,70 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_bot
         again = log.read_text()[size:]
         assert "at step 6" in again and "resumed from" in again, again[-4000:]
         assert "sites: healed" not in again, again[-4000:]
+    _assert_trained_as_one_job(tmp_path, steps, method, ranks)
+    _assert_same_bytes_but_the_joins(tmp_path, _optimizer(method))
+
+
+def _assert_trained_as_one_job(base: Path, steps: int, method: tuple[str, ...], ranks: int) -> None:
+    """The two sites' run (``base/out-<n>``) is one torchrun job of their ``2 * ranks`` ranks
+    with ``method``'s flags, run here: the same loss at every step and bit-identical final
+    weights on both sites."""
     one_job = folder_args(
-        tmp_path, "one-job", steps, *method, "--output-dir", str(tmp_path / "one-job-out")
+        base, "one-job", steps, *method, "--output-dir", str(base / "one-job-out")
     )
     done = run_agent(torchrun_command(one_job, 2 * ranks, forked=True), subprocess_env(), 400)
     assert done.returncode == 0, done.stderr[-4000:]
-    expected = logged_losses(tmp_path / "one-job-out")
-    sites = [logged_losses(tmp_path / f"out-{site}") for site in range(2)]
+    expected = logged_losses(base / "one-job-out")
+    sites = [logged_losses(base / f"out-{site}") for site in range(2)]
     assert sorted(expected) == list(range(1, steps + 1))
     for step, loss in expected.items():  # each site logs its ranks' mean loss: their mean
         assert (sites[0][step] + sites[1][step]) / 2 == pytest.approx(loss, rel=1e-6), step
-    want = final_weights(tmp_path / "one-job-out")
+    want = final_weights(base / "one-job-out")
     for site in range(2):
-        have = final_weights(tmp_path / f"out-{site}")
+        have = final_weights(base / f"out-{site}")
         for name, tensor in want.items():
             assert torch.equal(have[name], tensor), (site, name)
-    _assert_same_bytes_but_the_joins(tmp_path, _optimizer(method))
+
+
+@pytest.mark.slow
+@pytest.mark.lighthouse_min(1)
+def test_sites_started_apart_wait_for_each_other_and_train_what_one_job_trains(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """A lighthouse that forms a quorum of one site, no hold hook: site 0 starts alone and
+    holds its join (``--site-start-wait-s``, 120 s by default) until site 1, started once site
+    0 says it waits, is in its quorum. Neither heals, and the run is one job of their ranks:
+    the same loss at every step, bit-identical final weights."""
+    steps, logs = 6, [tmp_path / f"site-{site}.log" for site in range(2)]
+    procs = [_site(tmp_path, 0, steps, lighthouse, logs[0])]
+    try:
+        _wait_for(lambda: "1 of 2 sites in the quorum" in logs[0].read_text(), "site 0's wait")
+        time.sleep(2)  # a few held joins more
+        procs.append(_site(tmp_path, 1, steps, lighthouse, logs[1]))
+        _wait_all(procs, logs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_agent(proc)
+    for log in logs:
+        assert "sites: healed" not in log.read_text(), log.read_text()[-4000:]
+    _assert_trained_as_one_job(tmp_path, steps, DILOCO, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.lighthouse_min(1)
+def test_a_site_alone_starts_once_its_start_wait_is_over(tmp_path: Path, lighthouse: str) -> None:
+    """With ``--site-start-wait-s 3`` and the other site never started, site 0 holds its join
+    for 3 s, says it starts with 1 of 2 sites, and trains to the end."""
+    log = tmp_path / "site-0.log"
+    began = time.monotonic()
+    proc = _site(tmp_path, 0, 4, lighthouse, log, extra=("--site-start-wait-s", "3"))
+    _wait_all([proc], [log])
+    text = log.read_text()
+    assert "1 of 2 sites in the quorum" in text, text[-4000:]
+    assert "starting with 1 of 2 sites after --site-start-wait-s" in text, text[-4000:]
+    assert max(logged_losses(tmp_path / "out-0")) == 4
+    assert time.monotonic() - began > 3
 
 
 def _optimizer(flags: tuple[str, ...]) -> str:

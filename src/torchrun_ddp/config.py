@@ -466,6 +466,12 @@ class TrainConfig:
         "--fault-tolerance sites: seconds a cross-site collective, commit vote or healing "
         "transfer may take (torchft's Manager timeout); 0 means --train-timeout-s.",
     )
+    site_start_wait_s: int = opt(
+        120,
+        "--fault-tolerance sites: seconds a site waits at the start for all --sites sites to "
+        "join before its first step (none heals into a run another began alone); past it, the "
+        "sites that are up start and the others heal in when they come; 0: no wait.",
+    )
     site_heartbeat_ms: int = opt(
         100,
         "--fault-tolerance sites: milliseconds between a site's heartbeats to the lighthouse; "

@@ -3,7 +3,8 @@ methods that sync every few steps; AdamW's exchange every step: ``sites.adamw``)
 
 ``join_sites`` runs before the first step of a ``--fault-tolerance sites`` run: it tells the
 site's ``SiteLink`` what to send a healing peer (``heal_state``) and how to take a peer's state
-(``take_heal_state``), then joins (``SiteSync.join``). What a healing site takes: the synced
+(``take_heal_state``), then joins (``SiteSync.join``; at the start, again until every site is
+in the quorum or ``--site-start-wait-s`` has passed). What a healing site takes: the synced
 parameters and the outer momentum (``SyncedState``), the step and the tokens trained; the
 learning-rate schedule is stepped on to that step. Its inner optimizer state stays its own (its
 checkpoint's, or the start's), and its data position is its own at its last committed sync
@@ -13,6 +14,8 @@ checkpoint's, or the start's), and its data position is its own at its last comm
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import cast
@@ -41,6 +44,9 @@ from torchrun_ddp.sites.positions import pack, read_position, unpack, write_posi
 from torchrun_ddp.sites.sync import SiteSync
 
 log = logging.getLogger("torchrun_ddp")
+
+START_POLL_S = 0.5
+"""Seconds between two joins of a site that waits for the others at the start."""
 
 
 SiteOptimizer = SiteSync | SiteAdamW | SiteDeMo
@@ -80,8 +86,10 @@ def take_heal_state(trainer: Trainer, optimizer: SiteSync, state: HealState, in_
 def join_sites(trainer: Trainer) -> None:
     """Collective over the live sites under ``--fault-tolerance sites`` (nothing otherwise):
     register this site's healing state and its data position's record after each committed
-    sync (``positions``), and join (``SiteSync.join``). A site that healed goes on from its
-    own data position at its last committed sync (``take_own_position``)."""
+    sync (``positions``), and join (``SiteSync.join``), again while the join is held for the
+    other sites at the start (``--site-start-wait-s``: ``SiteLink._holds_start``). A site that
+    healed goes on from its own data position at its last committed sync
+    (``take_own_position``)."""
     optimizer = site_optimizer(trainer)
     if optimizer is None or optimizer.link is None:
         return
@@ -90,12 +98,26 @@ def join_sites(trainer: Trainer) -> None:
     join = _register(trainer, optimizer, joining)
     link.after_commit = lambda: write_position(root, rank, link.shared)
     healed = join()
+    for _ in range(start_rounds(trainer.config.site_start_wait_s)):
+        if link.committed or link.healed:  # the same on every rank of the site
+            break
+        time.sleep(START_POLL_S)  # the join held for the other sites (SiteLink._holds_start)
+        healed = join()
+    link.start_by = 0.0
     if healed:
         log.info("sites: healed, training on from step %d", trainer.step)
         take_own_position(trainer, root)
     joining[0] = False
     site = trainer.config.site_id
     link.share = lambda digest: pack(site, trainer.step + 1, trainer.data.state_dict(), digest)
+
+
+def start_rounds(wait_s: int) -> int:
+    """The most joins a site runs again while it waits ``wait_s`` seconds for the other sites
+    at the start: each after ``START_POLL_S``, so a rank's wait is over before the last (a few
+    to spare: the ranks' clocks start a moment apart); 0 without a wait. A count, not a clock,
+    so that every rank of a site runs as many joins."""
+    return math.ceil(wait_s / START_POLL_S) + 10 if wait_s else 0
 
 
 def _register(

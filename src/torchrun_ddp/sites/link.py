@@ -13,6 +13,12 @@ commit (torchft's ``should_commit``: False when a collective of this sync failed
 site died during it). A site whose step is behind the quorum's (one that restarted) receives a
 live site's state, takes it once the quorum is in and before the sync's exchange
 (``_take_now``), and contributes zeros to that sync.
+
+At the start (``--site-start-wait-s``), a site's vote on its join is no while the quorum holds
+fewer than ``--sites`` sites and no site is ahead of it (``_holds_start``): the join is then
+not committed, no step is counted, and the site joins again (``sites.join.join_sites``). So
+sites started minutes apart begin together at their first step, as one torchrun job of all
+their ranks would, instead of the first training alone and the others healing into its run.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -76,6 +83,13 @@ class SiteLink:
         """Site -> its rank's packed data position at its last committed sync (``positions``:
         the copy on the peers)."""
         self.timeout = timeout
+        self.sites = settings.sites
+        self.start_by = time.monotonic() + settings.start_wait_s if settings.start_wait_s else 0.0
+        """Until when (``time.monotonic``) this rank votes no on a join short of sites; 0: it
+        does not (no wait at the start, or the site has joined)."""
+        self.committed = False
+        """Whether the site committed the last sync (every rank of it alike)."""
+        self._waited_log = 0.0
         self._no_quorum = (
             f"sites: no quorum within --quorum-timeout-s {settings.quorum_timeout_s} s: the "
             f"lighthouse ({settings.lighthouse or 'TORCHFT_LIGHTHOUSE'}) was down longer than "
@@ -192,16 +206,19 @@ class SiteLink:
             manager._healing = False  # taken: should_commit must not take it again
 
     def _vote(self) -> bool:
-        """Share the data positions (``_all_gather``), vote, and on a commit file the sites'
-        positions in the book; the replica check after a heal (``HealCheck``)."""
+        """Share the data positions (``_all_gather``), vote (no on a join held for the other
+        sites: ``_holds_start``), and on a commit file the sites' positions in the book; the
+        replica check after a heal (``HealCheck``)."""
         self.shared = self.share(self.check.due())
         gathered = self._all_gather(self.shared)
-        committed = self.manager.should_commit()
+        if self._holds_start(len(gathered)):
+            self.manager.report_error(RuntimeError("sites: waiting for the others to start"))
+        committed = self.committed = self.manager.should_commit()
         shared = [peek(blob) for blob in filter(torch.Tensor.numel, gathered)]
         if committed:
             for entry, blob in zip(shared, filter(torch.Tensor.numel, gathered), strict=True):
                 self.book[entry.site] = blob
-        else:
+        elif not self.start_by:
             log.warning(
                 "sites: sync %d not committed (a site failed during it): its update is "
                 "dropped, the local progress kept for the next sync",
@@ -209,6 +226,30 @@ class SiteLink:
             )
         self.check.settle(shared if committed else None)
         return committed
+
+    def _holds_start(self, members: int) -> bool:
+        """Whether this rank votes no on its join because the quorum's ``members`` sites are
+        fewer than ``sites`` while ``start_by`` has not passed and this site did not heal (no
+        site is ahead of it: a run under way is joined at once). Logs the wait every 10 s."""
+        if not self.start_by or self.healed or self.manager.errored() is not None:
+            return False
+        now = time.monotonic()
+        if members >= self.sites or now >= self.start_by:
+            if members < self.sites:
+                log.warning(
+                    "sites: starting with %d of %d sites after --site-start-wait-s; the others "
+                    "heal in when they come", members, self.sites,
+                )  # fmt: skip
+            self.start_by = 0.0
+            return False
+        if now >= self._waited_log:
+            log.info(
+                "sites: %d of %d sites in the quorum, waiting up to %.0f s more for the others "
+                "before the first step (--site-start-wait-s)",
+                members, self.sites, self.start_by - now,
+            )  # fmt: skip
+            self._waited_log = now + 10
+        return True
 
     def _all_gather(self, blob: torch.Tensor) -> list[torch.Tensor]:
         """Every live site's ``blob`` by an all-gather on the Managers' group; [] after an error

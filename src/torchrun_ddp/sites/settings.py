@@ -24,6 +24,7 @@ SITE_FLAGS = (
     "quorum_retries",
     "site_timeout_s",
     "site_heartbeat_ms",
+    "site_start_wait_s",
 )
 """The flags only ``--fault-tolerance sites`` reads."""
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -52,6 +53,8 @@ class SiteSettings:
     """Seconds a cross-site collective, commit vote or healing transfer may take."""
     heartbeat_ms: int
     """Milliseconds between heartbeats to the lighthouse."""
+    start_wait_s: int = 0
+    """Seconds a site's join waits for all ``sites`` sites at the start (0: none)."""
 
     @property
     def replica_id(self) -> str:
@@ -80,6 +83,7 @@ def site_settings(config: TrainConfig) -> SiteSettings:
         quorum_retries=config.quorum_retries,
         timeout_s=config.site_timeout_s or train,
         heartbeat_ms=config.site_heartbeat_ms,
+        start_wait_s=config.site_start_wait_s,
     )
 
 
@@ -101,7 +105,7 @@ def check_sites(config: TrainConfig, given: frozenset[str] = frozenset()) -> Non
             f"--fault-tolerance sites needs --sites N >= 1 and --site-id in 0 .. N - 1, got "
             f"--sites {config.sites} --site-id {config.site_id}"
         )
-    for name in ("quorum_timeout_s", "quorum_retries", "site_timeout_s"):
+    for name in ("quorum_timeout_s", "quorum_retries", "site_timeout_s", "site_start_wait_s"):
         if getattr(config, name) < 0:
             raise UserError(f"--{flag_name(name)} must be >= 0, got {getattr(config, name)}")
     if not config.lighthouse and not os.environ.get(LIGHTHOUSE_ENV):
