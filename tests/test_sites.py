@@ -56,6 +56,7 @@ from torchrun_ddp.sites import data_place, site_settings
 from torchrun_ddp.sites.adamw import SiteAdamW
 from torchrun_ddp.sites.check import HealCheck
 from torchrun_ddp.sites.demo import SiteDeMo
+from torchrun_ddp.sites.link import start_held
 from torchrun_ddp.sites.positions import (
     GATHER_BYTES,
     Shared,
@@ -476,6 +477,22 @@ def _assert_trained_as_one_job(base: Path, steps: int, method: tuple[str, ...], 
         have = final_weights(base / f"out-{site}")
         for name, tensor in want.items():
             assert torch.equal(have[name], tensor), (site, name)
+
+
+@pytest.mark.parametrize(
+    ("members", "sites", "behind", "now", "held"),
+    [
+        (1, 2, False, 5.0, True),  # short of a site, in time: wait
+        (2, 3, False, 5.0, True),
+        (2, 2, False, 5.0, False),  # all here: begin
+        (1, 2, False, 10.0, False),  # the wait is over: begin with who is up
+        (1, 2, True, 5.0, False),  # a site heals in this quorum: the run is under way
+    ],
+)
+def test_a_join_is_held_only_while_sites_are_missing_in_time_and_none_is_behind(
+    members: int, sites: int, behind: bool, now: float, held: bool
+) -> None:
+    assert start_held(members, sites, behind, now, start_by=10.0) is held
 
 
 @pytest.mark.slow

@@ -228,14 +228,14 @@ class SiteLink:
         return committed
 
     def _holds_start(self, members: int) -> bool:
-        """Whether this rank votes no on its join because the quorum's ``members`` sites are
-        fewer than ``sites`` while ``start_by`` has not passed and this site did not heal (no
-        site is ahead of it: a run under way is joined at once). Logs the wait every 10 s."""
-        if not self.start_by or self.healed or self.manager.errored() is not None:
+        """Whether this rank votes no on its join (``start_held``) with the quorum's ``members``
+        sites; once the wait is over, it never does again. Logs the wait every 10 s."""
+        if not self.start_by or self.manager.errored() is not None:
             return False
         now = time.monotonic()
-        if members >= self.sites or now >= self.start_by:
-            if members < self.sites:
+        behind = self.healed or self.manager.num_participants() < members
+        if not start_held(members, self.sites, behind, now, self.start_by):
+            if members < self.sites and not behind:
                 log.warning(
                     "sites: starting with %d of %d sites after --site-start-wait-s; the others "
                     "heal in when they come", members, self.sites,
@@ -265,6 +265,14 @@ class SiteLink:
     def close(self) -> None:
         """Stop the Manager's server and threads (the lighthouse then times this site out)."""
         self.manager.shutdown(wait=False)
+
+
+def start_held(members: int, sites: int, behind: bool, now: float, start_by: float) -> bool:
+    """Whether a site's join waits for more sites at the start: its quorum holds ``members`` of
+    the run's ``sites`` sites, fewer than all, before ``start_by`` (``now``: the same clock,
+    seconds), and no site of the quorum is ``behind`` the others (one that heals in it: the
+    run is under way, and waiting would only delay it)."""
+    return members < sites and not behind and now < start_by
 
 
 def attempt_store(port: int, timeout: timedelta) -> tuple[TCPStore | None, int]:
