@@ -522,6 +522,37 @@ def test_sites_started_apart_wait_for_each_other_and_train_what_one_job_trains(
 
 @pytest.mark.slow
 @pytest.mark.lighthouse_min(1)
+@pytest.mark.parametrize("method", [DILOCO, ADAMW, DEMO], ids=["diloco", "adamw", "demo"])
+def test_a_site_whose_sync_failed_alone_heals_at_its_next_sync(
+    tmp_path: Path, lighthouse: str, method: tuple[str, ...]
+) -> None:
+    """Site 1 votes no on its third sync (the test hook ``vote-no``: a sync that failed on it
+    alone) while site 0 commits it, so site 1 is a sync behind in the middle of the run. At its
+    next sync it heals from site 0, the replicas agree after the heal, and both sites end
+    bit-identical, neither restarted."""
+    steps, logs = 10, [tmp_path / f"site-{site}.log" for site in range(2)]
+    envs = [subprocess_env(), hook_env(perturb="vote-no:3")]
+    procs = [
+        _site(tmp_path, site, steps, lighthouse, logs[site], envs[site], method=method)
+        for site in (0, 1)
+    ]
+    try:
+        _wait_all(procs, logs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_agent(proc)
+    live, behind = (log.read_text() for log in logs)
+    assert "sites: healed" not in live, live[-4000:]
+    assert "not committed" in behind, behind[-4000:]
+    for line in ("sites: healed from a live site at sync", "replicas agree after the heal"):
+        assert line in behind, behind[-4000:]
+    assert "attempt 1: ready" in behind and "attempt 2" not in behind, behind[-4000:]
+    _assert_equal_replicas(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.lighthouse_min(1)
 def test_a_site_alone_starts_once_its_start_wait_is_over(tmp_path: Path, lighthouse: str) -> None:
     """With ``--site-start-wait-s 3`` and the other site never started, site 0 holds its join
     for 3 s, says it starts with 1 of 2 sites, and trains to the end."""

@@ -28,7 +28,10 @@ optimizer step ``STEP`` until the file ``<TORCHRUN_DDP_HOLD_FILE>.<STEP>`` exist
 (``hold_point``: a test paces a live site so that a restarted one is back before the run ends);
 ``hold:0`` waits before the first step, and so before the sites' join (``main.train``): two
 sites released once both are ready to train join in one quorum and neither heals from the
-other at the start.
+other at the start. ``vote-no:N`` makes every rank of a site whose environment has it vote no,
+once, on the sync its torchft Manager counts as step ``N`` (``N`` syncs committed, the join
+included; ``sites.link``), as a site whose sync failed while the others' committed: it falls a
+sync behind them and heals from a live one at its next sync, in the middle of the run.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ PERTURB_ENV = "TORCHRUN_DDP_PERTURB"
 ARM_ENV = "TORCHRUN_DDP_TEST_HOOKS"
 ARMED = "armed-by-the-test-harness"
 """The value of ``ARM_ENV`` that arms the hooks (tests/distributed_harness.py sets it)."""
-PERTURBATIONS = ("nan-loss", "inf-loss", "big-loss", "nan-grad", "nan-weight", "replica", "hold")
+PERTURBATIONS = (
+    "nan-loss", "inf-loss", "big-loss", "nan-grad", "nan-weight", "replica", "hold", "vote-no",
+)  # fmt: skip
 HOLD_ENV = "TORCHRUN_DDP_HOLD_FILE"
 POINTS = ("step", "checkpoint-write", "publish", "metrics")
 

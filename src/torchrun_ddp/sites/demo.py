@@ -53,7 +53,8 @@ class SiteExchange(MessageExchange):
     def start(self, message: torch.Tensor, lrs: list[tuple[float, float]]) -> InFlight:
         """Collective over the live sites: this rank's ``message`` (padded) and every live
         taking-part rank's, gathered; a committed exchange of a step (not a join) records the
-        data position (``SiteLink.after_commit``)."""
+        data position (``SiteLink.after_commit``). ``lrs``: the update's rates, taken again
+        where this site healed in the exchange (its schedule then at the live sites' step)."""
         payload = message.new_zeros(self.padded)
         payload[: message.numel()] = message
         link = self.owner.site_link()
@@ -64,6 +65,8 @@ class SiteExchange(MessageExchange):
         self.owner.included = link.participating and not self.joining
         if committed and not self.joining:
             link.after_commit()
+        if not link.participating:  # healed in it: the live sites' step's rates
+            lrs = self.owner.rates()
         return InFlight(payload, None, lrs, [rows.to(payload.device)])
 
     def finish(self, flight: InFlight) -> list[torch.Tensor]:
@@ -145,8 +148,7 @@ class SiteDeMo(DeMo):
             exchange.joining = False
         if not (self.site_link().healed and self.committed and flight.rows[0].numel()):
             return False
-        flight.lrs = self.rates()  # after the heal: the schedule at the live sites' step
-        super()._apply(flight)
+        super()._apply(flight)  # lrs: the live sites' step's, taken after the heal (start)
         return True
 
 

@@ -38,6 +38,7 @@ from torchft.process_group import ProcessGroupGloo
 
 from torchrun_ddp.checkpoint.heal import HealTransport
 from torchrun_ddp.checkpoint.ranks import collective_device
+from torchrun_ddp.faults import perturbation
 from torchrun_ddp.sites.check import HealCheck
 from torchrun_ddp.sites.positions import gather_blobs, peek
 from torchrun_ddp.sites.settings import SiteSettings
@@ -90,6 +91,7 @@ class SiteLink:
         self.committed = False
         """Whether the site committed the last sync (every rank of it alike)."""
         self._waited_log = 0.0
+        self._voted_no = False
         self._no_quorum = (
             f"sites: no quorum within --quorum-timeout-s {settings.quorum_timeout_s} s: the "
             f"lighthouse ({settings.lighthouse or 'TORCHFT_LIGHTHOUSE'}) was down longer than "
@@ -213,6 +215,9 @@ class SiteLink:
         gathered = self._all_gather(self.shared)
         if self._holds_start(len(gathered)):
             self.manager.report_error(RuntimeError("sites: waiting for the others to start"))
+        if not self._voted_no and perturbation("vote-no") == self.manager.current_step():
+            self._voted_no = True  # tests only (TORCHRUN_DDP_PERTURB): a failed sync
+            self.manager.report_error(RuntimeError("sites: the test hook vote-no"))
         committed = self.committed = self.manager.should_commit()
         shared = [peek(blob) for blob in filter(torch.Tensor.numel, gathered)]
         if committed:
