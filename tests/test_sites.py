@@ -368,6 +368,13 @@ def lighthouse(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
+def _stop_left(procs: list[Agent]) -> None:
+    """Kill the torchrun trees of ``procs`` still running (a test that failed midway)."""
+    for proc in procs:
+        if proc.poll() is None:
+            kill_agent(proc)
+
+
 def _wait_all(procs: list[Agent], logs: list[Path], timeout: float = 400) -> None:
     for proc, log in zip(procs, logs, strict=True):
         assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
@@ -391,9 +398,7 @@ def _run_sites(
     try:
         return [proc.wait(timeout=400) for proc in procs]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_agent(proc)
+        _stop_left(procs)
 
 
 def _assert_equal_replicas(base: Path) -> None:
@@ -512,9 +517,7 @@ def test_sites_started_apart_wait_for_each_other_and_train_what_one_job_trains(
         procs.append(_site(tmp_path, 1, steps, lighthouse, logs[1]))
         _wait_all(procs, logs)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_agent(proc)
+        _stop_left(procs)
     for log in logs:
         assert "sites: healed" not in log.read_text(), log.read_text()[-4000:]
     _assert_trained_as_one_job(tmp_path, steps, DILOCO, 1)
@@ -539,9 +542,7 @@ def test_a_site_whose_sync_failed_alone_heals_at_its_next_sync(
     try:
         _wait_all(procs, logs)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_agent(proc)
+        _stop_left(procs)
     live, behind = (log.read_text() for log in logs)
     assert "sites: healed" not in live, live[-4000:]
     assert "not committed" in behind, behind[-4000:]
@@ -668,9 +669,7 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
         hold.with_suffix(".20").touch()
         _wait_all(procs, logs)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_agent(proc)
+        _stop_left(procs)
     print(f"kill and heal test: {time.monotonic() - started:.1f} s")  # pytest -s
     site0, again = logs[0].read_text(), logs[1].read_text()[before:]
     assert "sites: healed" not in site0[killed[0] :] and "attempt 2" not in site0, site0[-3000:]
@@ -714,9 +713,7 @@ def test_a_site_of_two_ranks_restarted_by_torchrun_resumes_heals_and_rejoins(
         assert worker_pids(procs[0].pid) == workers  # site 0: the same processes
         _wait_all(procs, logs)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_agent(proc)
+        _stop_left(procs)
     site0, site1 = (log.read_text() for log in logs)
     assert "attempt 2" in site1 and "attempt 2" not in site0, site1[-3000:]
     assert re.search(r"resumed from \S+step-6 at step 6", site1), site1[-4000:]
