@@ -766,6 +766,18 @@ def test_the_plan_shows_a_sites_healing_transfer() -> None:
     assert float(row.strip(" |").split(" | ")[1]) == pytest.approx(
         8 * (3 * trained + factors) * 4 / 2**30, abs=0.01
     )
+    # under hsdp, 8 shards: each rank's 1/8 of the parameters and moments, and the factors of
+    # its shards [n / 8, m]: q, k, v, o (512 + 4096), gate, up (1376 + 4096), down
+    # (512 + 11008), the embeddings and the head (4000 + 4096)
+    shard_factors = 4 * (32 * (4 * 4608 + 2 * 5472 + 11520) + 2 * 8096)
+    hsdp = parse_config(
+        ["--fault-tolerance", "sites", "--sites", "2", "--lighthouse", "h:1", *plan,
+         "--compression", "powersgd", "--data-parallel", "hsdp"]
+    )  # fmt: skip
+    [row] = [line for line in dry_run(hsdp, DistEnv()).splitlines() if "healing" in line]
+    assert float(row.strip(" |").split(" | ")[1]) == pytest.approx(
+        8 * (3 * trained / 8 + shard_factors) * 4 / 2**30, abs=0.01
+    )
 
 
 def test_the_plan_of_adamw_across_sites_runs_its_hook_across_the_replicas() -> None:

@@ -263,8 +263,7 @@ def checkpoint_plan(
         plan_sizes(config, shapes, plan.parameters, world, matrices), weight_bytes=weight
     )
     optimizer, mode = method.checkpoint_bytes(sizes), run_mode(config, world)
-    # a live site sends a healing rank its shard of the state
-    heal = method.heal_bytes(sizes) // mode.shape.shard if config.fault_tolerance == "sites" else 0
+    heal = method.heal_bytes(sizes, mode.shape.shard) if config.fault_tolerance == "sites" else 0
     replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook
     sizes = checkpoint_sizes(config, plan.parameters, trained, replicated, per_rank)
     if not mode.accepts_node_folders(config):

@@ -282,15 +282,18 @@ class AdamWMethod(Method):
         sizes = [math.prod(shape) for shape in shapes]
         return estimate(self.hook, sizes, topo, shapes, bucket_bytes)
 
-    def heal_bytes(self, sizes: PlanSizes) -> int:
-        """Across sites: the trained parameters and AdamW's two moments, in the weights' dtype,
-        and with ``powersgd`` its P and Q memories (fp32, of the whole matrices: the plan
-        divides the sum by the hsdp shard count, while a shard ``[n / s, m]`` keeps
-        ``(n / s + m) r`` values, so under hsdp the factors' part is an underestimate)."""
+    def heal_bytes(self, sizes: PlanSizes, shard: int) -> int:
+        """Across sites: the trained parameters and AdamW's two moments in the weights' dtype,
+        this rank's ``shard``-th of them, and with ``powersgd`` its P and Q memories (fp32) of
+        this rank's shards: a matrix ``[n, m]`` sharded ``[ceil(n / shard), m]`` by FSDP2 keeps
+        ``(ceil(n / shard) + m) r`` values (rank 0's, the largest shard)."""
         factors = 0
         if self.hook.method == "powersgd":
-            factors = FP32 * powersgd_factor_numel(sizes.shapes, self.hook.powersgd_rank)
-        return 3 * sizes.weight_bytes * sizes.trained + factors
+            shards = [
+                (-(-shape[0] // shard), *shape[1:]) if shape else shape for shape in sizes.shapes
+            ]
+            factors = FP32 * powersgd_factor_numel(shards, self.hook.powersgd_rank)
+        return 3 * sizes.weight_bytes * sizes.trained // shard + factors
 
     def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
         """AdamW's two moments in the weights' dtype: replicated, or a 1/W share per rank."""

@@ -319,8 +319,9 @@ class Method:
         """The bytes the optimizer's state adds to one checkpoint."""
         raise NotImplementedError
 
-    def heal_bytes(self, sizes: PlanSizes) -> int:
+    def heal_bytes(self, sizes: PlanSizes, shard: int) -> int:
         """Bytes a live site sends each rank of a healing site under ``--fault-tolerance
-        sites`` (before any sharding): the replicated optimizer state by default (the local-update
-        methods' synced fp32 copy and outer momentum, from which the parameters are set)."""
-        return self.checkpoint_bytes(sizes).replicated
+        sites``, whose state is sharded ``shard`` ways (hsdp; 1: whole): the replicated
+        optimizer state by default (the local-update methods' synced fp32 copy and outer
+        momentum, from which the parameters are set)."""
+        return self.checkpoint_bytes(sizes).replicated // shard

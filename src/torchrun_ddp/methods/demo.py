@@ -200,10 +200,10 @@ class DeMoMethod(ExchangingMethod):
             rows.append((name, comm))
         return rows
 
-    def heal_bytes(self, sizes: PlanSizes) -> int:
-        """Across sites: the trained parameters in the weights' dtype (the momentum is each
-        rank's own and stays with it)."""
-        return sizes.weight_bytes * sizes.trained
+    def heal_bytes(self, sizes: PlanSizes, shard: int) -> int:
+        """Across sites: the trained parameters in the weights' dtype, this rank's ``shard``-th
+        of them (the momentum is each rank's own and stays with it)."""
+        return sizes.weight_bytes * sizes.trained // shard
 
     def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:
         """One fp32 momentum per trained parameter, per rank."""
