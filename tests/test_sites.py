@@ -463,6 +463,30 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_bot
     _assert_same_bytes_but_the_joins(tmp_path, _optimizer(method))
 
 
+@pytest.mark.slow
+def test_a_site_that_resumes_an_older_step_heals_from_the_newest(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Both sites SIGKILL themselves in step 7 (after their checkpoint of step 6); site 1's
+    step-6 checkpoint is then deleted, so when both start again site 1 resumes step 4 and site
+    0 step 6. In their join (every site joining) site 1 sees the newer step and holds; site 0
+    begins, and site 1 heals from it at its next sync instead of training on from step 4
+    beside it: the replicas agree after the heal and end bit-identical."""
+    steps, logs = 10, [tmp_path / f"site-{site}.log" for site in range(2)]
+    stopped = _run_sites(tmp_path, steps, lighthouse, hook_env(faults="step:0:7"), DILOCO, 1)
+    assert all(status != 0 for status in stopped), stopped
+    shutil.rmtree(tmp_path / "site-1" / "step-6")
+    sizes = [len(log.read_text()) for log in logs]
+    assert _run_sites(tmp_path, steps, lighthouse, subprocess_env(), DILOCO, 1) == [0, 0]
+    newest, older = (log.read_text()[size:] for log, size in zip(logs, sizes, strict=True))
+    assert re.search(r"resumed from \S+step-4 at step 4", older), older[-4000:]
+    assert "resumed step 4 and another site step 6" in older, older[-4000:]
+    assert "sites: healed from a live site" in older, older[-4000:]
+    assert "replicas agree after the heal" in older, older[-4000:]
+    assert "sites: healed" not in newest, newest[-4000:]
+    _assert_equal_replicas(tmp_path)
+
+
 def _assert_trained_as_one_job(base: Path, steps: int, method: tuple[str, ...], ranks: int) -> None:
     """The two sites' run (``base/out-<n>``) is one torchrun job of their ``2 * ranks`` ranks
     with ``method``'s flags, run here: the same loss at every step and bit-identical final
@@ -485,19 +509,21 @@ def _assert_trained_as_one_job(base: Path, steps: int, method: tuple[str, ...], 
 
 
 @pytest.mark.parametrize(
-    ("members", "sites", "behind", "now", "held"),
+    ("mine", "table", "members", "sites", "held"),
     [
-        (1, 2, False, 5.0, True),  # short of a site, in time: wait
-        (2, 3, False, 5.0, True),
-        (2, 2, False, 5.0, False),  # all here: begin
-        (1, 2, False, 10.0, False),  # the wait is over: begin with who is up
-        (1, 2, True, 5.0, False),  # a site heals in this quorum: the run is under way
+        (0, [(0, True)], 1, 2, True),  # short of a site, in time: wait
+        (0, [(0, True), (0, False)], 2, 3, True),  # one member still waits: all hold
+        (0, [(0, False), (0, False)], 2, 3, False),  # every wait is over: begin
+        (0, [(0, False), (0, False)], 2, 2, False),  # all here: begin
+        (4, [(4, False), (6, False)], 2, 2, True),  # resumed older: wait for the newest
+        (6, [(4, False), (6, False)], 2, 2, False),  # the newest begins
+        (6, [(4, True), (6, True)], 2, 3, True),  # even the newest waits for a missing site
     ],
 )
-def test_a_join_is_held_only_while_sites_are_missing_in_time_and_none_is_behind(
-    members: int, sites: int, behind: bool, now: float, held: bool
+def test_a_join_is_held_while_a_member_waits_for_missing_sites_or_another_resumed_newer(
+    mine: int, table: list[tuple[int, bool]], members: int, sites: int, held: bool
 ) -> None:
-    assert start_held(members, sites, behind, now, start_by=10.0) is held
+    assert start_held(mine, table, members, sites) is held
 
 
 @pytest.mark.slow

@@ -97,13 +97,14 @@ def join_sites(trainer: Trainer) -> None:
     joining = [True]
     join = _register(trainer, optimizer, joining)
     link.after_commit = lambda: write_position(root, rank, link.shared)
+    link.begin_start(trainer.step)
     healed = join()
     for _ in range(start_rounds(trainer.config.site_start_wait_s)):
         if link.committed or link.healed:  # the same on every rank of the site
             break
-        time.sleep(START_POLL_S)  # the join held for the other sites (SiteLink._holds_start)
+        time.sleep(START_POLL_S)  # the join held (SiteLink._holds_start)
         healed = join()
-    link.start_by = 0.0
+    link.end_start()
     if healed:
         log.info("sites: healed, training on from step %d", trainer.step)
         take_own_position(trainer, root)
@@ -113,11 +114,12 @@ def join_sites(trainer: Trainer) -> None:
 
 
 def start_rounds(wait_s: int) -> int:
-    """The most joins a site runs again while it waits ``wait_s`` seconds for the other sites
-    at the start: each after ``START_POLL_S``, so a rank's wait is over before the last (a few
-    to spare: the ranks' clocks start a moment apart); 0 without a wait. A count, not a clock,
-    so that every rank of a site runs as many joins."""
-    return math.ceil(wait_s / START_POLL_S) + 10 if wait_s else 0
+    """The most joins a site runs again at the start: each after ``START_POLL_S``, so a rank's
+    wait of ``wait_s`` seconds for the other sites is over before the last, with 10 to spare
+    (the ranks' clocks start a moment apart; a site held because it resumed an older step heals
+    in the next, once the newest has begun). A count, not a clock, so that every rank of a site
+    runs as many joins."""
+    return math.ceil(wait_s / START_POLL_S) + 10
 
 
 def _register(

@@ -14,11 +14,13 @@ site died during it). A site whose step is behind the quorum's (one that restart
 live site's state, takes it once the quorum is in and before the sync's exchange
 (``_take_now``), and contributes zeros to that sync.
 
-At the start (``--site-start-wait-s``), a site's vote on its join is no while the quorum holds
-fewer than ``--sites`` sites and no site is ahead of it (``_holds_start``): the join is then
-not committed, no step is counted, and the site joins again (``sites.join.join_sites``). So
-sites started minutes apart begin together at their first step, as one torchrun job of all
-their ranks would, instead of the first training alone and the others healing into its run.
+At the start, a site's vote on its join is no while the quorum holds fewer than ``--sites``
+sites and a member still waits for them (``--site-start-wait-s``), or while another site
+resumed a newer step (``_holds_start``): the join is then not committed, no step is counted,
+and the site joins again (``sites.join.join_sites``). So sites started minutes apart begin
+together at their first step, as one torchrun job of all their ranks would, instead of the
+first training alone and the others healing into its run; and a site that resumed an older
+checkpoint heals from the newest instead of training on beside it.
 """
 
 from __future__ import annotations
@@ -85,12 +87,18 @@ class SiteLink:
         the copy on the peers)."""
         self.timeout = timeout
         self.sites = settings.sites
-        self.start_by = time.monotonic() + settings.start_wait_s if settings.start_wait_s else 0.0
-        """Until when (``time.monotonic``) this rank votes no on a join short of sites; 0: it
-        does not (no wait at the start, or the site has joined)."""
+        self.start_wait_s = settings.start_wait_s
+        self.joining = False
+        """Whether the site is in its join at the start (``begin_start`` .. ``end_start``)."""
+        self.start_by = 0.0
+        """Until when (``time.monotonic``) this rank waits for missing sites in its join; 0:
+        it does not (no wait, or the wait is over)."""
+        self.resumed = 0
+        """The step this site resumed (0: a new run), compared in an all-joining quorum."""
         self.committed = False
         """Whether the site committed the last sync (every rank of it alike)."""
         self._waited_log = 0.0
+        self._started_short = False
         self._voted_no = False
         self._no_quorum = (
             f"sites: no quorum within --quorum-timeout-s {settings.quorum_timeout_s} s: the "
@@ -223,7 +231,7 @@ class SiteLink:
         if committed:
             for entry, blob in zip(shared, filter(torch.Tensor.numel, gathered), strict=True):
                 self.book[entry.site] = blob
-        elif not self.start_by:
+        elif not self.joining:
             log.warning(
                 "sites: sync %d not committed (a site failed during it): its update is "
                 "dropped, the local progress kept for the next sync",
@@ -232,29 +240,60 @@ class SiteLink:
         self.check.settle(shared if committed else None)
         return committed
 
+    def begin_start(self, step: int) -> None:
+        """The site's join begins: it resumed ``step`` (0: a new run), and waits for missing
+        sites until ``--site-start-wait-s`` from now (``_holds_start``)."""
+        self.joining, self.resumed = True, step
+        self.start_by = time.monotonic() + self.start_wait_s if self.start_wait_s else 0.0
+
+    def end_start(self) -> None:
+        """The join is over: no later sync is held."""
+        self.joining, self.start_by = False, 0.0
+
     def _holds_start(self, members: int) -> bool:
-        """Whether this rank votes no on its join (``start_held``) with the quorum's ``members``
-        sites; once the wait is over, it never does again. Logs the wait every 10 s."""
-        if not self.start_by or self.manager.errored() is not None:
+        """Collective over the quorum's ``members`` sites when every one of them is in its join
+        (the quorum's step is 0: none has committed a sync, so none trains; a site joining a
+        run under way heals instead): each shares the step it resumed and whether it waits
+        for missing sites, and this rank votes no where ``start_held`` says so. Every member
+        decides from the same table, so the sites of one quorum commit or hold alike."""
+        manager = self.manager
+        if not self.joining or self.healed or manager.errored() is not None:
+            return False
+        if manager.current_step() != 0:
             return False
         now = time.monotonic()
-        behind = self.healed or self.manager.num_participants() < members
-        if not start_held(members, self.sites, behind, now, self.start_by):
-            if members < self.sites and not behind:
-                log.warning(
-                    "sites: starting with %d of %d sites after --site-start-wait-s; the others "
-                    "heal in when they come", members, self.sites,
+        wants = members < self.sites and now < self.start_by
+        mine = torch.tensor([self.resumed, int(wants)], dtype=torch.int64)
+        table = [row.view(torch.int64).tolist() for row in self._all_gather(mine.view(torch.uint8))]
+        if not table:
+            return False  # an error: the vote drops this join anyway
+        held = start_held(
+            self.resumed, [(row[0], bool(row[1])) for row in table], members, self.sites
+        )
+        self._log_start(held, members, max(row[0] for row in table), now)
+        return held
+
+    def _log_start(self, held: bool, members: int, newest: int, now: float) -> None:
+        """The wait's log lines: every 10 s while held, once when starting short of sites."""
+        if held and now >= self._waited_log:
+            self._waited_log = now + 10
+            if self.resumed < newest:
+                log.info(
+                    "sites: this site resumed step %d and another site step %d: waiting for "
+                    "that site to start, then healing from it", self.resumed, newest,
                 )  # fmt: skip
-            self.start_by = 0.0
-            return False
-        if now >= self._waited_log:
+                return
             log.info(
                 "sites: %d of %d sites in the quorum, waiting up to %.0f s more for the others "
                 "before the first step (--site-start-wait-s)",
-                members, self.sites, self.start_by - now,
+                members, self.sites, max(0.0, self.start_by - now),
             )  # fmt: skip
-            self._waited_log = now + 10
-        return True
+        if not held and members < self.sites and not self._started_short:
+            self._started_short = True
+            log.warning(
+                "sites: starting with %d of %d sites after --site-start-wait-s; the others heal "
+                "in when they come", members, self.sites,
+            )  # fmt: skip
 
     def _all_gather(self, blob: torch.Tensor) -> list[torch.Tensor]:
         """Every live site's ``blob`` by an all-gather on the Managers' group; [] after an error
@@ -272,12 +311,14 @@ class SiteLink:
         self.manager.shutdown(wait=False)
 
 
-def start_held(members: int, sites: int, behind: bool, now: float, start_by: float) -> bool:
-    """Whether a site's join waits for more sites at the start: its quorum holds ``members`` of
-    the run's ``sites`` sites, fewer than all, before ``start_by`` (``now``: the same clock,
-    seconds), and no site of the quorum is ``behind`` the others (one that heals in it: the
-    run is under way, and waiting would only delay it)."""
-    return members < sites and not behind and now < start_by
+def start_held(mine: int, table: list[tuple[int, bool]], members: int, sites: int) -> bool:
+    """Whether a site's join is held at the start, from its quorum's ``table``: each member's
+    resumed step and whether it waits for missing sites (the ``members`` in the quorum are fewer
+    than the run's ``sites``, and its wait has not passed). Held where this site resumed an older
+    step (``mine``) than another (the newest starts, and this one then heals from it: the newest
+    state wins), or where sites are missing and a member still waits for them."""
+    newest = max(step for step, _ in table)
+    return mine < newest or (members < sites and any(wants for _, wants in table))
 
 
 def attempt_store(port: int, timeout: timedelta) -> tuple[TCPStore | None, int]:
