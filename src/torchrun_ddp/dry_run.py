@@ -263,7 +263,10 @@ def checkpoint_plan(
         plan_sizes(config, shapes, plan.parameters, world, matrices), weight_bytes=weight
     )
     optimizer, mode = method.checkpoint_bytes(sizes), run_mode(config, world)
-    heal = method.heal_bytes(sizes, mode.shape.shard) if config.fault_tolerance == "sites" else 0
+    heal = 0
+    if config.fault_tolerance == "sites":  # a live site sends each rank its shards
+        shards = dataclasses.replace(sizes, shapes=tuple(mode.shard_shapes(sizes.shapes)))
+        heal = method.heal_bytes(shards, mode.shape.shard)
     replicated, per_rank = optimizer.replicated, optimizer.per_rank + hook
     sizes = checkpoint_sizes(config, plan.parameters, trained, replicated, per_rank)
     if not mode.accepts_node_folders(config):

@@ -285,14 +285,11 @@ class AdamWMethod(Method):
     def heal_bytes(self, sizes: PlanSizes, shard: int) -> int:
         """Across sites: the trained parameters and AdamW's two moments in the weights' dtype,
         this rank's ``shard``-th of them, and with ``powersgd`` its P and Q memories (fp32) of
-        this rank's shards: a matrix ``[n, m]`` sharded ``[ceil(n / shard), m]`` by FSDP2 keeps
-        ``(ceil(n / shard) + m) r`` values (rank 0's, the largest shard)."""
+        this rank's shards (``sizes.shapes``: a matrix ``[n, m]`` sharded ``[ceil(n / shard),
+        m]`` by FSDP2 keeps ``(ceil(n / shard) + m) r`` values, rank 0's the largest)."""
         factors = 0
         if self.hook.method == "powersgd":
-            shards = [
-                (-(-shape[0] // shard), *shape[1:]) if shape else shape for shape in sizes.shapes
-            ]
-            factors = FP32 * powersgd_factor_numel(shards, self.hook.powersgd_rank)
+            factors = FP32 * powersgd_factor_numel(sizes.shapes, self.hook.powersgd_rank)
         return 3 * sizes.weight_bytes * sizes.trained // shard + factors
 
     def checkpoint_bytes(self, sizes: PlanSizes) -> CheckpointBytes:

@@ -321,7 +321,8 @@ class Method:
 
     def heal_bytes(self, sizes: PlanSizes, shard: int) -> int:
         """Bytes a live site sends each rank of a healing site under ``--fault-tolerance
-        sites``, whose state is sharded ``shard`` ways (hsdp; 1: whole): the replicated
+        sites``, whose state is sharded ``shard`` ways (hsdp; 1: whole; ``sizes.shapes``: one
+        rank's shards, ``Mode.shard_shapes``): the replicated
         optimizer state by default (the local-update methods' synced fp32 copy and outer
         momentum, from which the parameters are set)."""
         return self.checkpoint_bytes(sizes).replicated // shard

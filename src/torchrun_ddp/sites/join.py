@@ -94,8 +94,7 @@ def join_sites(trainer: Trainer) -> None:
     if optimizer is None or optimizer.link is None:
         return
     link, root, rank = optimizer.link, checkpoint_root(trainer.config), trainer.env.rank
-    joining = [True]
-    join = _register(trainer, optimizer, joining)
+    join = _register(trainer, optimizer)
     link.after_commit = lambda: write_position(root, rank, link.shared)
     link.begin_start(trainer.step)
     healed = join()
@@ -108,7 +107,6 @@ def join_sites(trainer: Trainer) -> None:
     if healed:
         log.info("sites: healed, training on from step %d", trainer.step)
         take_own_position(trainer, root)
-    joining[0] = False
     site = trainer.config.site_id
     link.share = lambda digest: pack(site, trainer.step + 1, trainer.data.state_dict(), digest)
 
@@ -122,12 +120,11 @@ def start_rounds(wait_s: int) -> int:
     return math.ceil(wait_s / START_POLL_S) + 10
 
 
-def _register(
-    trainer: Trainer, optimizer: SiteOptimizer, joining: list[bool]
-) -> Callable[[], bool]:
+def _register(trainer: Trainer, optimizer: SiteOptimizer) -> Callable[[], bool]:
     """Tell ``optimizer``'s link what to send a healing peer, how to take a peer's state and
-    what to fingerprint after a heal; returns the optimizer's join. ``joining[0]``: whether the
-    join is still under way (a local-update method's sync inside an optimizer step counts it)."""
+    what to fingerprint after a heal; returns the optimizer's join. While the join is under way
+    (``SiteLink.joining``) a local-update method's sync is not inside an optimizer step; after
+    it, one is (and counts that step)."""
     link = optimizer.site_link()
     if isinstance(optimizer, SiteAdamW):
         link.register(
@@ -145,8 +142,8 @@ def _register(
         link.check.fingerprint = lambda: state_digest({"demo": SharedDeMo(optimizer)})
         return lambda: join_demo(trainer, optimizer)
     link.register(
-        lambda: heal_state(trainer, optimizer, not joining[0]),
-        lambda state: take_heal_state(trainer, optimizer, state, not joining[0]),
+        lambda: heal_state(trainer, optimizer, not link.joining),
+        lambda state: take_heal_state(trainer, optimizer, state, not link.joining),
     )
     link.check.fingerprint = lambda: state_digest({"outer": SyncedState(optimizer)})
     return optimizer.join

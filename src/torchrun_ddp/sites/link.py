@@ -264,13 +264,12 @@ class SiteLink:
         now = time.monotonic()
         wants = members < self.sites and now < self.start_by
         mine = torch.tensor([self.resumed, int(wants)], dtype=torch.int64)
-        table = [row.view(torch.int64).tolist() for row in self._all_gather(mine.view(torch.uint8))]
+        rows = [row.view(torch.int64).tolist() for row in self._all_gather(mine.view(torch.uint8))]
+        table = [(step, bool(waits)) for step, waits in rows]
         if not table:
             return False  # an error: the vote drops this join anyway
-        held = start_held(
-            self.resumed, [(row[0], bool(row[1])) for row in table], members, self.sites
-        )
-        self._log_start(held, members, max(row[0] for row in table), now)
+        held = start_held(self.resumed, table, members, self.sites)
+        self._log_start(held, members, max(step for step, _ in table), now)
         return held
 
     def _log_start(self, held: bool, members: int, newest: int, now: float) -> None:
