@@ -690,7 +690,9 @@ def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
         )
         before = len(logs[1].read_text())
         procs[1] = _site(tmp_path, 1, steps, lighthouse, logs[1], None, ranks, method=method)
-        _wait_for(lambda: "ready to train" in logs[1].read_text()[before:], "site 1 again")
+        # released once site 1 asks for its join's quorum: site 0's sync of step 20 then meets
+        # it (asked first, site 0's quorum of itself would form at once)
+        _wait_for(lambda: "Start quorum" in logs[1].read_text()[before:], "site 1's join")
         assert worker_pids(procs[0].pid) == workers  # the same processes trained on
         hold.with_suffix(".20").touch()
         _wait_all(procs, logs)
