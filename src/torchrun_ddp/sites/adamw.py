@@ -90,12 +90,16 @@ class SiteAdamW(AdamW):
         """The dense exchange: one fp32 sum over the live sites, divided by the sites summed.
         Returns whether it was committed (the gradients then hold the mean)."""
         params, link = self.trained(), self.site_link()
-        sizes = [local_tensor(param).numel() for param in params]
-        flat = torch.zeros(sum(sizes), device=local_tensor(params[0]).device)
+        locals_ = [local_tensor(param) for param in params]
+        sizes = [local.numel() for local in locals_]
         if contribute:
-            for piece, param in zip(flat.split(sizes), params, strict=True):
-                if param.grad is not None:
-                    piece.copy_(local_tensor(param.grad).reshape(-1))
+            grads = [
+                torch.zeros_like(local) if param.grad is None else local_tensor(param.grad)
+                for param, local in zip(params, locals_, strict=True)
+            ]
+            flat = torch.cat([grad.reshape(-1) for grad in grads]).float()
+        else:
+            flat = torch.zeros(sum(sizes), device=locals_[0].device)
         committed = link.average(flat)
         if self.counts is not None:
             self.counts.count("all_reduce", flat.numel() * flat.element_size(), link.group)

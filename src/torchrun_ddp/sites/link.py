@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
+from torch.distributed.distributed_c10d import AllreduceOptions
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
@@ -42,7 +43,7 @@ from torchrun_ddp.checkpoint.heal import HealTransport
 from torchrun_ddp.checkpoint.ranks import collective_device
 from torchrun_ddp.faults import perturbation
 from torchrun_ddp.sites.check import HealCheck
-from torchrun_ddp.sites.positions import gather_blobs, peek
+from torchrun_ddp.sites.positions import PendingBlobs, gather_blobs, peek
 from torchrun_ddp.sites.settings import SiteSettings
 
 log = logging.getLogger("torchrun_ddp")
@@ -148,7 +149,15 @@ class SiteLink:
         site commits the sync; ``participants`` is the sites summed. Raises RuntimeError when
         the quorum cannot be formed within the quorum timeout (the lighthouse unreachable past
         its retries)."""
-        return self.run(lambda: self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait())
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+
+        def exchange() -> None:
+            if not self.participating:
+                tensor.zero_()
+            self.group.allreduce([tensor], options).wait(self.timeout)
+
+        return self.run(exchange)
 
     def run(self, exchange: Callable[[], None]) -> bool:
         """Collective over the live sites: take the quorum, set ``participants``, run
@@ -159,12 +168,13 @@ class SiteLink:
         RuntimeError as ``average``."""
         self._quorum()
         self.participants = self.manager.num_participants()
+        shares = self._start_share()
         if self.manager.errored() is None:
             try:
                 exchange()
             except RuntimeError as exc:
                 self.manager.report_error(exc)
-        return self._vote()
+        return self._vote(shares)
 
     def gather(self, blob: Callable[[bool], torch.Tensor]) -> tuple[bool, list[torch.Tensor]]:
         """Collective over the live sites: take the quorum, all-gather ``blob(participating)``
@@ -173,10 +183,11 @@ class SiteLink:
         rank of this site commits the sync, and the blobs (empty after an error). Raises
         RuntimeError as ``average``."""
         self._quorum()
+        shares = self._start_share()
         mine = blob(self.participating)
         blobs = self._all_gather(mine)
         self.participants = len(blobs)
-        return self._vote(), blobs
+        return self._vote(shares), blobs
 
     def start_quorum(self) -> None:
         """Start the next sync's quorum without waiting for it (torchft's async quorum), so that
@@ -215,12 +226,36 @@ class SiteLink:
             manager._apply_pending_state_dict()
             manager._healing = False  # taken: should_commit must not take it again
 
-    def _vote(self) -> bool:
-        """Share the data positions (``_all_gather``), vote (no on a join held for the other
+    def _start_share(self) -> PendingBlobs | None:
+        """Start the all-gather of this rank's data position (``share``, with the replica
+        check's digest when one is due: ``HealCheck``) with the live sites, once the quorum is
+        in, so that it overlaps the sync's exchange (one round trip a sync instead of two);
+        None after an error in this sync (reported to the Manager: the vote drops the sync)."""
+        self.shared = self.share(self.check.due())
+        if self.manager.errored() is not None:
+            return None
+        try:
+            return PendingBlobs(self.group, self.shared, self.timeout)
+        except RuntimeError as exc:
+            self.manager.report_error(exc)
+            return None
+
+    def _shares(self, pending: PendingBlobs | None) -> list[torch.Tensor]:
+        """The data positions of ``_start_share``'s all-gather; [] after an error in this
+        sync (reported to the Manager)."""
+        if pending is None or self.manager.errored() is not None:
+            return []
+        try:
+            return pending.wait()
+        except RuntimeError as exc:  # gloo's error for a site lost during the sync
+            self.manager.report_error(exc)
+            return []
+
+    def _vote(self, shares: PendingBlobs | None) -> bool:
+        """Take the data positions (``_start_share``), vote (no on a join held for the other
         sites: ``_holds_start``), and on a commit file the sites' positions in the book; the
         replica check after a heal (``HealCheck``)."""
-        self.shared = self.share(self.check.due())
-        gathered = self._all_gather(self.shared)
+        gathered = self._shares(shares)
         if self._holds_start(len(gathered)):
             self.manager.report_error(RuntimeError("sites: waiting for the others to start"))
         if not self._voted_no and perturbation("vote-no") == self.manager.current_step():

@@ -156,24 +156,38 @@ def differing_sites(mine: Shared, shared: list[Shared]) -> list[int]:
     return sorted(s.site for s in shared if s.digest and s.digest != mine.digest)
 
 
+class PendingBlobs:
+    """An all-gather of blobs in flight over ``group`` (the live sites' rank ``r``), started at
+    construction so that it overlaps the sync's exchange; ``wait`` gives every member's
+    ``blob`` (uint8, any length; empty: nothing to share) in the group's rank order. One
+    all-gather of ``GATHER_BYTES`` per member (the length, then the blob) where every blob
+    fits, a second of the longest, in ``wait``, where one does not. Raises RuntimeError (gloo's,
+    for a member lost during it) at the start or in ``wait``."""
+
+    def __init__(self, group: ProcessGroup, blob: torch.Tensor, timeout: timedelta) -> None:
+        self.group, self.blob, self.timeout = group, blob, timeout
+        slot = torch.zeros(GATHER_BYTES, dtype=torch.uint8)
+        slot[:8] = torch.tensor([blob.numel()], dtype=torch.int64).view(torch.uint8)
+        if blob.numel() <= GATHER_BYTES - 8:
+            slot[8 : 8 + blob.numel()] = blob
+        self.gathered = [torch.zeros(GATHER_BYTES, dtype=torch.uint8) for _ in range(group.size())]
+        self.work = group.allgather([self.gathered], [slot], AllgatherOptions())
+
+    def wait(self) -> list[torch.Tensor]:
+        """The members' blobs, once the all-gather is done (collective: a second all-gather
+        where a blob did not fit in its slot)."""
+        self.work.wait(self.timeout)
+        lengths = [int(data[:8].view(torch.int64).item()) for data in self.gathered]
+        if max(lengths) <= GATHER_BYTES - 8:
+            pairs = zip(self.gathered, lengths, strict=True)
+            return [data[8 : 8 + size].clone() for data, size in pairs]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[: self.blob.numel()] = self.blob
+        whole = [torch.zeros(max(lengths), dtype=torch.uint8) for _ in lengths]
+        self.group.allgather([whole], [padded], AllgatherOptions()).wait(self.timeout)
+        return [data[:size].clone() for data, size in zip(whole, lengths, strict=True)]
+
+
 def gather_blobs(group: ProcessGroup, blob: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
-    """Collective over ``group`` (the live sites' rank ``r``): every member's ``blob`` (uint8,
-    any length; empty: nothing to share), in the group's rank order. One all-gather of
-    ``GATHER_BYTES`` per member (the length, then the blob) where every blob fits, a second of
-    the longest where one does not."""
-    options = AllgatherOptions()
-    slot = torch.zeros(GATHER_BYTES, dtype=torch.uint8)
-    slot[:8] = torch.tensor([blob.numel()], dtype=torch.int64).view(torch.uint8)
-    fits = blob.numel() <= GATHER_BYTES - 8
-    if fits:
-        slot[8 : 8 + blob.numel()] = blob
-    gathered = [torch.zeros(GATHER_BYTES, dtype=torch.uint8) for _ in range(group.size())]
-    group.allgather([gathered], [slot], options).wait(timeout)
-    lengths = [int(data[:8].view(torch.int64).item()) for data in gathered]
-    if max(lengths) <= GATHER_BYTES - 8:
-        return [data[8 : 8 + size].clone() for data, size in zip(gathered, lengths, strict=True)]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: blob.numel()] = blob
-    whole = [torch.zeros(max(lengths), dtype=torch.uint8) for _ in lengths]
-    group.allgather([whole], [padded], options).wait(timeout)
-    return [data[:size].clone() for data, size in zip(whole, lengths, strict=True)]
+    """Collective over ``group``: every member's ``blob`` (``PendingBlobs``), waited for."""
+    return PendingBlobs(group, blob, timeout).wait()
