@@ -96,6 +96,20 @@ def goodput(records: list[Record], start: float, end: float) -> float:
     return newest_step(records, end) / (end - start)
 
 
+STEADY_FROM_S = 40.0
+"""Seconds after an arm's launch before its steady rate is counted (imports, the sites' join)."""
+
+
+def steady_rate(records: list[Record], begin: float, until: float) -> float:
+    """Steps per second between the first and the last step record in ``[begin, until]``: the
+    rate without faults or start-up (nan with fewer than 2 records there)."""
+    inside = [record for record in records if begin <= record[0] <= until]
+    if len(inside) < 2 or inside[-1][0] == inside[0][0]:
+        return float("nan")
+    (first, step_a), (last, step_b) = inside[0], inside[-1]
+    return (step_b - step_a) / (last - first)
+
+
 def normal_step_s(records: list[Record]) -> float:
     """The median gap in seconds between consecutive step records (nan with fewer than 2)."""
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(records)]
@@ -547,6 +561,25 @@ def goodput_rows(results: list[ArmResult], round_: int) -> list[list[str]]:
     return rows
 
 
+def steady_rows(results: list[ArmResult], round_: int) -> list[list[str]]:
+    """One row per arm of a round: site 0's (today: the job's) ``steady_rate`` from
+    ``STEADY_FROM_S`` after launch to the first kill (or the end), and its ratio to the round's
+    ``today`` arm's: the cost of a step across sites with no fault in the window."""
+    rates = {
+        r.arm: steady_rate(r.records, r.start + STEADY_FROM_S, min(r.kills, default=r.end))
+        for r in results
+    }
+    return [
+        [
+            ARM_LABELS[r.arm],
+            str(round_),
+            f"{rates[r.arm]:.2f}",
+            _ratio(rates[r.arm], rates.get("today")),
+        ]
+        for r in results
+    ]
+
+
 def _ratio(value: float, reference: float | None) -> str:
     """``value`` as a percentage of ``reference``; "-" where the round has no such arm."""
     return "-" if not reference else f"{value / reference:.0%}"
@@ -619,6 +652,9 @@ GOODPUT_HEADER = [
     "vs no failure", "vs today's path", "both sites' step records/s", "vs no failure",
     "site 0 restarted",
 ]  # fmt: skip
+STEADY_HEADER = [
+    "arm", "round", f"steps/s from {STEADY_FROM_S:.0f} s to the first kill", "vs today's path"
+]  # fmt: skip
 FAULT_HEADER = [
     "arm", "round", "fault", "kill at s", "steps lost", "seconds lost",
     "stall while site 1 returns (s)", "syncs not committed", "site 1 steps again after s",
@@ -646,7 +682,9 @@ def print_tables(
         for n, bandwidth in enumerate(bandwidths, 1)
         for size, rate in sorted(bandwidth.items())
     ]
+    steady = [row for n, results in enumerate(rounds, 1) for row in steady_rows(results, n)]
     print("\n" + markdown_table(GOODPUT_HEADER, goodputs))
+    print("\n" + markdown_table(STEADY_HEADER, steady))
     print("\n" + markdown_table(FAULT_HEADER, faults or [["-"] * len(FAULT_HEADER)]))
     print("\n" + markdown_table(HEAL_HEADER, healed or [["-"] * len(HEAL_HEADER)]))
     print("\n" + markdown_table(["round", "MiB sent", "MB/s (median)"], speeds))

@@ -26,6 +26,7 @@ from sites_goodput import (
     normal_step_s,
     parse_args,
     recovery_s,
+    steady_rows,
     step_records,
     steps_lost,
     train_args,
@@ -163,3 +164,17 @@ def test_the_footnote_gives_a_command_that_reruns_as_printed() -> None:
     argv = ["--optimizer", "adamw", "--train-flags", "--compression dct"]
     text = footnote(parse_args(argv), argv, Path("o"))
     assert "sites_goodput.py --optimizer adamw --train-flags '--compression dct'`" in text
+
+
+def test_the_steady_rate_counts_from_the_start_up_to_the_first_kill() -> None:
+    """From STEADY_FROM_S (40 s) after launch to the first kill: start-up and faults left out."""
+    fast = [(float(t), 2 * t) for t in range(1, 101)]  # 2 steps/s
+    slow = [(float(t), t) for t in range(1, 40)] + [(40.0 + t, 40 + 3 * t) for t in range(61)]
+    today, sites = _arm("today", fast, 80.0), _arm("sites", slow, 90.0)
+    today.end = sites.end = 100.0
+    rows = steady_rows([sites, today], 1)
+    assert rows[0][2:] == ["3.00", "150%"]  # 3 steps/s from 40 s to the kill at 90 s
+    assert rows[1][2:] == ["2.00", "100%"]
+    none = _arm("none", fast[:30], 0.0)
+    none.kills = []
+    assert steady_rows([none], 1)[0][2:] == ["nan", "-"]  # no record past 40 s
