@@ -43,7 +43,7 @@ from torchrun_ddp.checkpoint.heal import HealTransport
 from torchrun_ddp.checkpoint.ranks import collective_device
 from torchrun_ddp.faults import perturbation
 from torchrun_ddp.sites.check import HealCheck
-from torchrun_ddp.sites.positions import PendingBlobs, gather_blobs, peek
+from torchrun_ddp.sites.positions import PendingBlobs, peek
 from torchrun_ddp.sites.settings import SiteSettings
 
 log = logging.getLogger("torchrun_ddp")
@@ -229,19 +229,23 @@ class SiteLink:
     def _start_share(self) -> PendingBlobs | None:
         """Start the all-gather of this rank's data position (``share``, with the replica
         check's digest when one is due: ``HealCheck``) with the live sites, once the quorum is
-        in, so that it overlaps the sync's exchange (one round trip a sync instead of two);
-        None after an error in this sync (reported to the Manager: the vote drops the sync)."""
+        in, so that it runs beside the sync's exchange instead of after it."""
         self.shared = self.share(self.check.due())
+        return self._start_gather(self.shared)
+
+    def _start_gather(self, blob: torch.Tensor) -> PendingBlobs | None:
+        """Start an all-gather of ``blob`` on the Managers' group; None after an error in this
+        sync, which is reported to the Manager (the vote then drops the sync)."""
         if self.manager.errored() is not None:
             return None
         try:
-            return PendingBlobs(self.group, self.shared, self.timeout)
+            return PendingBlobs(self.group, blob, self.timeout)
         except RuntimeError as exc:
             self.manager.report_error(exc)
             return None
 
-    def _shares(self, pending: PendingBlobs | None) -> list[torch.Tensor]:
-        """The data positions of ``_start_share``'s all-gather; [] after an error in this
+    def _finish_gather(self, pending: PendingBlobs | None) -> list[torch.Tensor]:
+        """Every live site's blob of ``_start_gather``'s all-gather; [] after an error in this
         sync (reported to the Manager)."""
         if pending is None or self.manager.errored() is not None:
             return []
@@ -255,7 +259,7 @@ class SiteLink:
         """Take the data positions (``_start_share``), vote (no on a join held for the other
         sites: ``_holds_start``), and on a commit file the sites' positions in the book; the
         replica check after a heal (``HealCheck``)."""
-        gathered = self._shares(shares)
+        gathered = self._finish_gather(shares)
         if self._holds_start(len(gathered)):
             self.manager.report_error(RuntimeError("sites: waiting for the others to start"))
         if not self._voted_no and perturbation("vote-no") == self.manager.current_step():
@@ -330,15 +334,9 @@ class SiteLink:
             )  # fmt: skip
 
     def _all_gather(self, blob: torch.Tensor) -> list[torch.Tensor]:
-        """Every live site's ``blob`` by an all-gather on the Managers' group; [] after an error
-        in this sync, which is reported to the Manager (the vote then drops the sync)."""
-        if self.manager.errored() is not None:
-            return []
-        try:
-            return gather_blobs(self.group, blob, self.timeout)
-        except RuntimeError as exc:  # gloo's error for a site lost during the sync
-            self.manager.report_error(exc)
-            return []
+        """Every live site's ``blob`` by an all-gather on the Managers' group, waited for; []
+        after an error in this sync (``_start_gather``)."""
+        return self._finish_gather(self._start_gather(blob))
 
     def close(self) -> None:
         """Stop the Manager's server and threads (the lighthouse then times this site out)."""
