@@ -56,7 +56,6 @@ from torchrun_ddp.sites import data_place, site_settings
 from torchrun_ddp.sites.adamw import SiteAdamW
 from torchrun_ddp.sites.check import HealCheck
 from torchrun_ddp.sites.demo import SiteDeMo
-from torchrun_ddp.sites.dense import chunk_plan
 from torchrun_ddp.sites.link import start_held
 from torchrun_ddp.sites.positions import (
     GATHER_BYTES,
@@ -282,18 +281,6 @@ def test_replicas_are_compared_at_the_first_sync_after_a_heal(
         assert "replicas agree after the heal (sites [0, 1]" in caplog.text
 
 
-def test_the_dense_exchange_is_cut_in_chunks_at_ddps_bucket_sizes() -> None:
-    """The first chunk closes at its own size, the rest at the cap, a parameter larger than
-    the cap stands alone, every parameter is in exactly one chunk, in order."""
-    sizes = [64, 64, 512, 8, 8, 8, 1024, 4]  # elements: 4 fp32 bytes each
-    plan = chunk_plan(sizes, first_bytes=512, cap_bytes=1024)
-    assert plan == [[0, 1], [2], [3, 4, 5], [6], [7]]
-    assert [index for chunk in plan for index in chunk] == list(range(len(sizes)))
-    assert chunk_plan([3], 1, 1) == [[0]]
-    with pytest.raises(ValueError, match="at least 1 byte"):
-        chunk_plan(sizes, 0, 1024)
-
-
 def test_an_adamw_step_whose_exchange_was_not_committed_is_dropped() -> None:
     """A site died during the step's exchange: no update (weights and moments as they were);
     the next committed exchange updates again."""
@@ -429,7 +416,6 @@ def _assert_equal_replicas(base: Path) -> None:
         (DILOCO, 1),
         ((*DILOCO, *SHARDED), 2),
         (MULOCO, 1),
-        (ADAMW, 1),
         ((*ADAMW, *SHARDED[2:]), 2),
         ((*ADAMW, *DCT, *SHARDED[2:]), 2),
         ((*ADAMW, *TOPK, *SHARDED[2:]), 2),
@@ -441,7 +427,6 @@ def _assert_equal_replicas(base: Path) -> None:
         "diloco-2x1",
         "sparseloco-hsdp-2x2",
         "muloco-2x1",
-        "adamw-2x1",
         "adamw-hsdp-2x2",
         "adamw-dct-bf16-hsdp-2x2",
         "adamw-dct-topk-hsdp-2x2",
@@ -453,9 +438,8 @@ def _assert_equal_replicas(base: Path) -> None:
 def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_both_stop(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], ranks: int
 ) -> None:
-    """DiLoCo, MuLoCo (SparseLoCo's gather across sites, Muon inside), DeMo (every rank's
-    message gathered every step) and dense AdamW (its sums across sites started by DDP's hook
-    during backward: ``sites.dense``) at 2 x 1 against one job of 2; SparseLoCo and AdamW (each
+    """DiLoCo, MuLoCo (SparseLoCo's gather across sites, Muon inside) and DeMo (every rank's
+    message gathered every step) at 2 x 1 against one job of 2; SparseLoCo and AdamW (each
     rank's gradient shard averaged across sites every step: dense, dct, dct-topk or PowerSGD)
     and DeMo (each rank's message of its shard) with FSDP2 over each site's 2
     ranks, against one hsdp job of 4 (2 replicas of 2 shards). Both
@@ -477,9 +461,6 @@ def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_bot
         assert "sites: healed" not in again, again[-4000:]
     _assert_trained_as_one_job(tmp_path, steps, method, ranks)
     _assert_same_bytes_but_the_joins(tmp_path, _optimizer(method))
-    if method == ADAMW:  # DDP's hook started the sums across sites before backward ended
-        for log in logs:
-            assert re.search(r"started [1-9]\d* of its \d+ chunks during backward", log.read_text())
 
 
 @pytest.mark.slow
@@ -654,7 +635,6 @@ def _both_trained(base: Path, step: int) -> bool:
     ("method", "healed_at", "ranks"),
     [
         (DILOCO, 20, 1),
-        (ADAMW, 21, 1),
         ((*ADAMW, *DCT), 21, 1),
         ((*ADAMW, *DCT, *SHARDED[2:]), 21, 2),
         ((*ADAMW, *TOPK), 21, 1),
@@ -663,7 +643,6 @@ def _both_trained(base: Path, step: int) -> bool:
     ],
     ids=[
         "diloco",
-        "adamw",
         "adamw-dct-bf16",
         "adamw-dct-bf16-hsdp-2x2",
         "adamw-dct-topk",

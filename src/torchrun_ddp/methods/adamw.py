@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
     from torchrun_ddp.distributed import NodeGroups
-    from torchrun_ddp.sites.dense import DenseSum
     from torchrun_ddp.sites.link import SiteLink
 
 
@@ -92,8 +91,6 @@ class AdamWMethod(Method):
         self._site_exchange: Callable[[], None] | None = None
         """Across fault-tolerant sites: ``SiteAdamW.exchange``, called after backward."""
         self._site_link: SiteLink | None = None
-        self._dense_sum: DenseSum | None = None
-        """Across sites without a hook: the dense exchange, fed by DDP's hook in backward."""
 
     @classmethod
     def check_config(cls, config: TrainConfig, given: frozenset[str] = frozenset()) -> None:
@@ -130,22 +127,7 @@ class AdamWMethod(Method):
             return register_compression(ddp_model, self.hook, node_groups=node_groups)
         state = CompressionState(self.hook, ddp_model.parameters())
         state.count_builtin_all_reduce(ddp_model.parameters())
-        if self.hook.method == "none":
-            self._dense_sum = self._new_dense_sum(ddp_model, hooked=True)
         return state
-
-    def _new_dense_sum(self, model: torch.nn.Module, hooked: bool = False) -> DenseSum:
-        """Dense AdamW's exchange across sites, chunked at DDP's bucket sizes (``sites.dense``;
-        imports torchft, so only for runs across sites); ``hooked``: ``model`` is DDP's, and
-        its comm hook feeds the exchange in backward."""
-        from torchrun_ddp.sites import dense  # noqa: PLC0415
-
-        cap = round(self.config.ddp_bucket_cap_mb * 2**20)
-        exchange = dense.DenseSum(dense.backward_order(model), dense.FIRST_CHUNK_BYTES, cap)
-        if hooked:
-            assert isinstance(model, DistributedDataParallel)
-            model.register_comm_hook(exchange, dense.site_hook)
-        return exchange
 
     def exchanges_replicas(self, replicate_dim: bool) -> bool:
         """hsdp with a --compression hook: the hook exchanges the shards across replicas (across
@@ -185,8 +167,6 @@ class AdamWMethod(Method):
         trip overlaps forward and backward (``SiteLink.start_quorum``); nothing otherwise."""
         if self._site_link is not None:
             self._site_link.start_quorum()
-        if self._dense_sum is not None:
-            self._dense_sum.arm()
 
     def after_backward(self) -> None:
         """hsdp with a comm hook: average the gradient shards over the replicate group,
@@ -230,10 +210,6 @@ class AdamWMethod(Method):
         if self.hook.method != "none":
             cap = round(config.ddp_bucket_cap_mb * 2**20)
             optimizer.replicas = ReplicaExchange(compression, list(model.parameters()), cap)
-        else:
-            self._dense_sum = self._dense_sum or self._new_dense_sum(model)
-            self._dense_sum.link = optimizer.link
-            optimizer.dense = self._dense_sum
         self._site_exchange, self._site_link = optimizer.exchange, optimizer.link
         return optimizer
 

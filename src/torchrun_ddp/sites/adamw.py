@@ -34,7 +34,6 @@ from torch.optim import AdamW
 from torchrun_ddp.build import Trainer
 from torchrun_ddp.compression import CompressionState, ReplicaExchange, dense_wire_bytes
 from torchrun_ddp.parallel.shards import laid_out_like, local_tensor
-from torchrun_ddp.sites.dense import DenseSum
 from torchrun_ddp.sites.link import HealState, SiteLink
 
 
@@ -52,8 +51,6 @@ class SiteAdamW(AdamW):
     replicas: ReplicaExchange | None = None
     """The ``--compression`` hook's exchange over the live sites (its state ``counts``), or None:
     dense fp32 sums."""
-    dense: DenseSum | None = None
-    """The dense exchange without ``replicas`` (``sites.dense``)."""
     _before: Mapping[str, torch.Tensor]
     """The hook's shared state before the last exchange (``_compressed``; empty: none ran)."""
     steps: Callable[[], int] = staticmethod(lambda: 0)
@@ -90,16 +87,32 @@ class SiteAdamW(AdamW):
             link.after_commit()
 
     def _dense(self, contribute: bool) -> bool:
-        """The dense exchange (``dense``: one fp32 sum over the live sites per chunk, started
-        during backward where DDP's hook feeds it). Returns whether it was committed (the
-        gradients then hold the mean)."""
-        assert self.dense is not None, "SiteAdamW needs its dense exchange without a hook"
-        committed = self.dense.finish(contribute)
+        """The dense exchange: one fp32 sum over the live sites, divided by the sites summed.
+        Returns whether it was committed (the gradients then hold the mean)."""
+        params, link = self.trained(), self.site_link()
+        locals_ = [local_tensor(param) for param in params]
+        sizes = [local.numel() for local in locals_]
+        if contribute:
+            grads = [
+                torch.zeros_like(local) if param.grad is None else local_tensor(param.grad)
+                for param, local in zip(params, locals_, strict=True)
+            ]
+            flat = torch.cat([grad.reshape(-1) for grad in grads]).float()
+        else:
+            flat = torch.zeros(sum(sizes), device=locals_[0].device)
+        committed = link.average(flat)
         if self.counts is not None:
-            numel, group = sum(self.dense.sizes), self.site_link().group
-            self.counts.count("all_reduce", 4 * numel, group)
-            self.counts.comm_bytes_dense += dense_wire_bytes(numel, group.size())
-        return committed
+            self.counts.count("all_reduce", flat.numel() * flat.element_size(), link.group)
+            self.counts.comm_bytes_dense += dense_wire_bytes(flat.numel(), link.group.size())
+        if not committed:
+            return False
+        flat.div_(max(1, link.participants))
+        for param, mean in zip(params, flat.split(sizes), strict=True):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            local = local_tensor(param.grad)
+            local.copy_(mean.view_as(local))
+        return True
 
     def _compressed(self, contribute: bool) -> None:
         """The hook's exchange over the live sites (run by ``SiteLink.run`` after the quorum):

@@ -180,4 +180,4 @@ def leave_sites(trainer: Trainer) -> None:
     """Stop this rank's torchft Manager (nothing without sites)."""
     optimizer = site_optimizer(trainer)
     if optimizer is not None and optimizer.link is not None:
-        optimizer.link.shutdown()
+        optimizer.link.close()

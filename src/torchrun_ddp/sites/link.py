@@ -10,9 +10,7 @@ name) on TORCHFT_MANAGER_PORT (else a free port).
 
 A sync (``average``) takes a quorum, sums a tensor over the live sites and votes whether to
 commit (torchft's ``should_commit``: False when a collective of this sync failed, for instance a
-site died during it). ``run`` is ``open`` (the quorum, the data positions' all-gather started),
-the exchange and ``close`` (the vote); dense AdamW opens from DDP's hook (``open_early``) and
-starts its sums (``start_sum``) during backward (``sites.dense``). A site whose step is behind the quorum's (one that restarted) receives a
+site died during it). A site whose step is behind the quorum's (one that restarted) receives a
 live site's state, takes it once the quorum is in and before the sync's exchange
 (``_take_now``), and contributes zeros to that sync.
 
@@ -36,7 +34,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp, TCPStore, Work
+from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllreduceOptions
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
@@ -73,8 +71,6 @@ class SiteLink:
         sends zeros, or a message marked as not taking part)."""
         self.participants = 0
         self._started = False
-        self._awaited = False
-        self._shares: PendingBlobs | None = None
         self._send: Callable[[], HealState] = dict
         self._take: Callable[[HealState], None] = lambda state: None
         self.after_commit: Callable[[], None] = lambda: None
@@ -153,7 +149,15 @@ class SiteLink:
         site commits the sync; ``participants`` is the sites summed. Raises RuntimeError when
         the quorum cannot be formed within the quorum timeout (the lighthouse unreachable past
         its retries)."""
-        return self.run(lambda: self.wait_sum(self.start_sum(tensor)))
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+
+        def exchange() -> None:
+            if not self.participating:
+                tensor.zero_()
+            self.group.allreduce([tensor], options).wait(self.timeout)
+
+        return self.run(exchange)
 
     def run(self, exchange: Callable[[], None]) -> bool:
         """Collective over the live sites: take the quorum, set ``participants``, run
@@ -162,13 +166,15 @@ class SiteLink:
         error in the exchange (gloo's, for a site lost during it) is reported to the Manager,
         so the vote drops the sync. Returns whether every rank of this site commits it. Raises
         RuntimeError as ``average``."""
-        self.open()
+        self._quorum()
+        self.participants = self.manager.num_participants()
+        shares = self._start_share()
         if self.manager.errored() is None:
             try:
                 exchange()
             except RuntimeError as exc:
                 self.manager.report_error(exc)
-        return self.close()
+        return self._vote(shares)
 
     def gather(self, blob: Callable[[bool], torch.Tensor]) -> tuple[bool, list[torch.Tensor]]:
         """Collective over the live sites: take the quorum, all-gather ``blob(participating)``
@@ -176,67 +182,12 @@ class SiteLink:
         the same rank of every live site, in the group's order, and vote. Returns whether every
         rank of this site commits the sync, and the blobs (empty after an error). Raises
         RuntimeError as ``average``."""
-        self.open()
-        blobs = self._all_gather(blob(self.participating))
+        self._quorum()
+        shares = self._start_share()
+        mine = blob(self.participating)
+        blobs = self._all_gather(mine)
         self.participants = len(blobs)
-        return self.close(), blobs
-
-    def open(self) -> None:
-        """Collective over the live sites: open a sync (``run`` is ``open``, the exchange,
-        ``close``). Waits for the quorum (unless ``open_early`` did), takes a healing site's
-        received state (``_take_now``), sets ``participants`` and starts the all-gather of the
-        data positions (``_start_share``). Raises RuntimeError as ``average``."""
-        if not self._awaited:
-            self._await_quorum()
-        self._awaited = False
-        self._take_now()
-        self.participants = self.manager.num_participants()
-        self._shares = self._start_share()
-
-    def open_early(self) -> bool:
-        """Wait for the quorum, and open the sync (``open``) unless this site heals in it (it
-        received a peer's state, or does not take part), whose state must not change while
-        this rank is in backward. Returns whether the sync is open; if not, ``open`` opens it
-        after backward. Raises RuntimeError as ``average``."""
-        self._await_quorum()
-        self._awaited = True
-        if self.manager._healing or not self.participating:  # torchft's flag: ``_take_now``
-            return False
-        self.open()
-        return True
-
-    def close(self) -> bool:
-        """Collective over the live sites: close the sync that ``open`` opened (the data
-        positions' all-gather waited for, the vote). Returns whether every rank of this site
-        commits it."""
-        shares, self._shares = self._shares, None
-        return self._vote(shares)
-
-    def start_sum(self, tensor: torch.Tensor) -> Work | None:
-        """Start the in-place sum of ``tensor`` over the live sites on the Managers' group,
-        in an open sync (zeros sent while this site does not take part); None after an error
-        in this sync, which is reported to the Manager (the vote then drops the sync)."""
-        if self.manager.errored() is not None:
-            return None
-        if not self.participating:
-            tensor.zero_()
-        options = AllreduceOptions()
-        options.reduceOp = ReduceOp.SUM
-        try:
-            return self.group.allreduce([tensor], options)
-        except RuntimeError as exc:
-            self.manager.report_error(exc)
-            return None
-
-    def wait_sum(self, work: Work | None) -> None:
-        """Wait for ``start_sum``'s sum; an error (gloo's, for a site lost during it) is
-        reported to the Manager."""
-        if work is None or self.manager.errored() is not None:
-            return
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            self.manager.report_error(exc)
+        return self._vote(shares), blobs
 
     def start_quorum(self) -> None:
         """Start the next sync's quorum without waiting for it (torchft's async quorum), so that
@@ -246,7 +197,7 @@ class SiteLink:
             self.manager.start_quorum()
             self._started = True
 
-    def _await_quorum(self) -> None:
+    def _quorum(self) -> None:
         """Start the quorum unless ``start_quorum`` did, and wait for it (a heal's transfer
         included)."""
         if not self._started:
@@ -257,6 +208,7 @@ class SiteLink:
         except TimeoutError as exc:
             raise RuntimeError(self._no_quorum) from exc
         self.participating = self.manager.is_participating()
+        self._take_now()
 
     def _take_now(self) -> None:
         """A healing site's received state, taken once the quorum is in, before the sync's
@@ -386,7 +338,7 @@ class SiteLink:
         after an error in this sync (``_start_gather``)."""
         return self._finish_gather(self._start_gather(blob))
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         """Stop the Manager's server and threads (the lighthouse then times this site out)."""
         self.manager.shutdown(wait=False)
 
