@@ -416,6 +416,7 @@ def _assert_equal_replicas(base: Path) -> None:
         (DILOCO, 1),
         ((*DILOCO, *SHARDED), 2),
         (MULOCO, 1),
+        (ADAMW, 1),
         ((*ADAMW, *SHARDED[2:]), 2),
         ((*ADAMW, *DCT, *SHARDED[2:]), 2),
         ((*ADAMW, *TOPK, *SHARDED[2:]), 2),
@@ -427,6 +428,7 @@ def _assert_equal_replicas(base: Path) -> None:
         "diloco-2x1",
         "sparseloco-hsdp-2x2",
         "muloco-2x1",
+        "adamw-2x1",
         "adamw-hsdp-2x2",
         "adamw-dct-bf16-hsdp-2x2",
         "adamw-dct-topk-hsdp-2x2",
@@ -438,8 +440,9 @@ def _assert_equal_replicas(base: Path) -> None:
 def test_two_sites_train_what_one_job_of_their_ranks_trains_and_resume_after_both_stop(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], ranks: int
 ) -> None:
-    """DiLoCo, MuLoCo (SparseLoCo's gather across sites, Muon inside) and DeMo (every rank's
-    message gathered every step) at 2 x 1 against one job of 2; SparseLoCo and AdamW (each
+    """DiLoCo, MuLoCo (SparseLoCo's gather across sites, Muon inside), DeMo (every rank's
+    message gathered every step) and dense AdamW (DDP inside a site, the fp32 sum across sites)
+    at 2 x 1 against one job of 2; SparseLoCo and AdamW (each
     rank's gradient shard averaged across sites every step: dense, dct, dct-topk or PowerSGD)
     and DeMo (each rank's message of its shard) with FSDP2 over each site's 2
     ranks, against one hsdp job of 4 (2 replicas of 2 shards). Both
@@ -635,6 +638,7 @@ def _both_trained(base: Path, step: int) -> bool:
     ("method", "healed_at", "ranks"),
     [
         (DILOCO, 20, 1),
+        (ADAMW, 21, 1),
         ((*ADAMW, *DCT), 21, 1),
         ((*ADAMW, *DCT, *SHARDED[2:]), 21, 2),
         ((*ADAMW, *TOPK), 21, 1),
@@ -643,6 +647,7 @@ def _both_trained(base: Path, step: int) -> bool:
     ],
     ids=[
         "diloco",
+        "adamw",
         "adamw-dct-bf16",
         "adamw-dct-bf16-hsdp-2x2",
         "adamw-dct-topk",
@@ -653,19 +658,18 @@ def _both_trained(base: Path, step: int) -> bool:
 def test_a_killed_site_costs_the_other_no_restart_and_heals_when_it_comes_back(
     tmp_path: Path, lighthouse: str, method: tuple[str, ...], healed_at: int, ranks: int
 ) -> None:
-    """Site 1 is SIGKILLed once it has logged step 6 and its disk wiped; site 0 trains on alone
-    and waits before step 20 (``hold``: only so that this short run is not over before site 1's
-    new process has imported torch) until site 1 runs again; site 1 starts from nothing, heals
-    in site 0's sync of step 20 (DiLoCo's, in the optimizer step after the hold) or 21
-    (AdamW's exchange through the dct or dct-topk hook, after backward and before the hold:
-    site 1 sends zeros with its error feedback set aside, a row of dct-topk's all-gather that
-    the sum leaves out, PowerSGD's factors taken from site 0; DeMo's every step, whose quorum also
-    starts before the hold, with a message marked as not taking part), takes its own data
-    position at its last committed sync from site 0's copy, and both train to step 24. At the
-    start both sites wait before their join until both are ready (``hold:0``), so they join in
-    one quorum and neither heals from the other: a site alone (the lighthouse's minimum is 1)
-    that reached its hold at step 20 before the other started would leave the other a quorum
-    of itself."""
+    """Site 1 is SIGKILLed once it has logged step 6 and its disk wiped; site 0 trains on alone and
+    waits before step 20 (``hold``: only so that this short run is not over before site 1's new
+    process has imported torch) until site 1 runs again; site 1 starts from nothing, heals in site
+    0's sync of step 20 (DiLoCo's, in the optimizer step after the hold) or 21 (AdamW's exchange,
+    dense or through the dct or dct-topk hook, after backward and before the hold: site 1 sends
+    zeros with its error feedback set aside, a row of dct-topk's all-gather that the sum leaves out,
+    PowerSGD's factors taken from site 0; DeMo's every step, whose quorum also starts before the
+    hold, with a message marked as not taking part), takes its own data position at its last
+    committed sync from site 0's copy, and both train to step 24. At the start both sites wait
+    before their join until both are ready (``hold:0``), so they join in one quorum and neither
+    heals from the other: a site alone (the lighthouse's minimum is 1) that reached its hold at step
+    20 before the other started would leave the other a quorum of itself."""
     steps, hold, started = 24, tmp_path / "hold", time.monotonic()
     logs = [tmp_path / f"site-{site}.log" for site in range(2)]
     paced = {**hook_env(perturb="hold:0,hold:20"), "TORCHRUN_DDP_HOLD_FILE": str(hold)}
